@@ -1,0 +1,135 @@
+"""The one interface behind which all per-architecture MoE knowledge lives.
+
+Shape legend: T tokens (batch*seq flattened), E experts in a layer, K experts chosen per token (top-k),
+H hidden size.
+
+An adapter answers four questions about a model family:
+  * where the MoE layers, routers, fused expert tensors and shared experts are (`moe_layers`);
+  * how the router turns logits into (weights, indices), so it can be redone with removed experts
+    excluded *before* the top-k (`reroute`), which is what makes masking equal to physical pruning;
+  * what the router's per-expert probabilities are, for calibration statistics (`router_probs`);
+  * which tensors carry an expert dimension and which config key counts experts (`expert_tensors`,
+    `num_experts_key`), so physical pruning is generic.
+Nothing here knows about phases, training or parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logits or probs [T,E], weights [T,K], index [T,K])
+
+
+@dataclass
+class MoELayer:
+    """One MoE block of a decoder, seen through its adapter.
+
+    `layer_index` is the decoder layer index (MoE layers need not be contiguous: DeepSeek-V3 keeps the first
+    layers dense, Qwen MoE models can list `mlp_only_layers`).
+    """
+
+    layer_index: int
+    block: nn.Module  # module whose forward runs router then experts (mlp, or the decoder layer for Gemma 4)
+    router: nn.Module
+    experts: nn.Module
+    num_experts: int
+    top_k: int
+    shared_expert: nn.Module | None = None
+    shared_expert_gate: nn.Module | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class MoEAdapter:
+    """Per-family knowledge about a transformers MoE model. Subclasses override the marked methods."""
+
+    family: str = ""
+    model_types: tuple[str, ...] = ()
+    num_experts_key: str = "num_experts"  # config attribute that counts routed experts
+    # Whether a stock checkpoint can hold different expert counts per layer (by padding with experts that a
+    # -inf router bias makes unselectable). Families without a per-expert router bias cannot.
+    supports_non_uniform_export: bool = False
+
+    # ------------------------------------------------------------------ discovery
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+        layers = getattr(decoder, "layers", None)
+        if layers is None and hasattr(decoder, "language_model"):
+            layers = getattr(decoder.language_model, "layers", None)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected `.layers`)")
+        return layers
+
+    def moe_layers(self, model: nn.Module) -> list[MoELayer]:
+        found = []
+        for index, layer in enumerate(self.decoder_layers(model)):
+            moe = self.layer_view(index, layer, model)
+            if moe is not None:
+                found.append(moe)
+        if not found:
+            raise ValueError(f"{type(model).__name__} ({self.family}) has no MoE layers in this config")
+        return found
+
+    def layer_view(self, index: int, layer: nn.Module, model: nn.Module) -> MoELayer | None:  # override
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ routing
+    def mask_hook_target(self, moe: MoELayer) -> nn.Module:
+        """Module whose forward output the masking hook rewrites (the router, unless overridden)."""
+        return moe.router
+
+    def reroute(self, moe: MoELayer, output, removed: torch.Tensor):  # override
+        """Redo the router's choice from `output` with the `removed` experts ([E] bool) excluded.
+
+        Returns a replacement for `output` of `mask_hook_target(moe)`. Must equal what a router over only the
+        kept experts computes (up to the expert index renumbering).
+        """
+        raise NotImplementedError
+
+    def router_probs(self, moe: MoELayer, output: RouterOutput) -> torch.Tensor:
+        """Per-expert router probabilities [T, E] in fp32 from the router's output (softmax over all E)."""
+        return torch.softmax(output[0].float(), dim=-1)
+
+    # ------------------------------------------------------------------ pruning
+    def expert_tensors(self, moe: MoELayer) -> list[tuple[nn.Module, str, int]]:
+        """(module, attribute, dim) for every parameter or buffer with an expert dimension."""
+        tensors = [(moe.experts, name, 0) for name, _ in moe.experts.named_parameters(recurse=False)]
+        tensors += [(moe.router, name, 0) for name, _ in moe.router.named_parameters(recurse=False)]
+        tensors += [(moe.router, name, 0) for name, _ in moe.router.named_buffers(recurse=False)]
+        return tensors
+
+    def set_layer_num_experts(self, moe: MoELayer, n: int) -> None:
+        for module in (moe.experts, moe.router):
+            if hasattr(module, "num_experts"):
+                module.num_experts = n
+        moe.num_experts = n
+
+    def pad_value(self, module: nn.Module, name: str) -> float:
+        """Value of padded experts in a non-uniform export (only for `supports_non_uniform_export`)."""
+        return 0.0
+
+    def check_keep(self, moe: MoELayer, kept: list[int]) -> None:
+        """Family-specific constraints on a layer's kept experts (raise ValueError); default: none."""
+
+    def describe(self, moe: MoELayer) -> str:
+        return f"layer {moe.layer_index}: {moe.num_experts} experts, top-{moe.top_k}"
+
+
+def softmax_topk_route(
+    logits: torch.Tensor, removed: torch.Tensor, top_k: int, renormalize: bool, out_dtype: torch.dtype | None
+) -> RouterOutput:
+    """softmax(fp32) -> top-k -> optional renormalisation, with removed experts at -inf before the softmax.
+
+    -inf before the softmax makes the denominator cover only kept experts, so the result equals a router
+    that never had the removed rows, whether or not the family renormalises the top-k.
+    """
+    masked = logits.masked_fill(removed, float("-inf"))
+    probs = torch.softmax(masked, dim=-1, dtype=torch.float)
+    weights, index = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if out_dtype is not None:
+        weights = weights.to(out_dtype)
+    return masked, weights, index

@@ -1,0 +1,210 @@
+"""Adapters for the MoE families of transformers 5.23 (see ../shared/notes/moe-internals.md for the layouts).
+
+Every `reroute` below is a line-for-line re-statement of the stock router's forward with removed experts
+excluded before selection; tests check that with nothing removed it reproduces the stock router bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from slimwise_train.adapters.base import MoEAdapter, MoELayer, RouterOutput, softmax_topk_route
+
+
+class SoftmaxTopKAdapter(MoEAdapter):
+    """`layer.mlp` = block with `.gate` (softmax top-k router, bias-free) and `.experts` (fused SwiGLU)."""
+
+    shared_expert_attr: str | None = None
+    shared_expert_gate_attr: str | None = None
+    weights_in_logits_dtype = True  # Qwen/OLMoE cast top-k weights back to the logits dtype; Mixtral keeps fp32
+
+    def layer_view(self, index, layer, model):
+        block = getattr(layer, "mlp", None)
+        if block is None or not hasattr(block, "gate") or not hasattr(block, "experts"):
+            return None  # dense layer (mlp_only_layers, decoder_sparse_step, first_k_dense_replace)
+        return MoELayer(
+            layer_index=index,
+            block=block,
+            router=block.gate,
+            experts=block.experts,
+            num_experts=block.experts.num_experts,
+            top_k=block.gate.top_k,
+            shared_expert=getattr(block, self.shared_expert_attr, None) if self.shared_expert_attr else None,
+            shared_expert_gate=(
+                getattr(block, self.shared_expert_gate_attr, None) if self.shared_expert_gate_attr else None
+            ),
+        )
+
+    def reroute(self, moe, output, removed):
+        logits = output[0]
+        # Qwen3.5-MoE and Mixtral always renormalise and have no flag; the others read norm_topk_prob.
+        renormalize = getattr(moe.router, "norm_topk_prob", True)
+        out_dtype = logits.dtype if self.weights_in_logits_dtype else None
+        return softmax_topk_route(logits, removed, moe.router.top_k, renormalize, out_dtype)
+
+
+class Qwen3MoeAdapter(SoftmaxTopKAdapter):
+    family = "qwen3_moe"
+    model_types = ("qwen3_moe",)
+
+
+class Qwen2MoeAdapter(SoftmaxTopKAdapter):
+    family = "qwen2_moe"
+    model_types = ("qwen2_moe",)
+    shared_expert_attr = "shared_expert"
+    shared_expert_gate_attr = "shared_expert_gate"
+
+
+class Qwen3NextAdapter(Qwen2MoeAdapter):
+    family = "qwen3_next"
+    model_types = ("qwen3_next",)
+
+
+class Qwen35MoeAdapter(Qwen2MoeAdapter):
+    family = "qwen3_5_moe"
+    model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
+
+
+class MixtralAdapter(SoftmaxTopKAdapter):
+    family = "mixtral"
+    model_types = ("mixtral",)
+    num_experts_key = "num_local_experts"
+    weights_in_logits_dtype = False
+
+
+class OlmoeAdapter(SoftmaxTopKAdapter):
+    family = "olmoe"
+    model_types = ("olmoe",)
+
+
+class DeepseekV3Adapter(SoftmaxTopKAdapter):
+    """Sigmoid scores, selection on score + e_score_correction_bias with group limiting, unbiased weights."""
+
+    family = "deepseek_v3"
+    model_types = ("deepseek_v3",)
+    num_experts_key = "n_routed_experts"
+    shared_expert_attr = "shared_experts"
+    supports_non_uniform_export = True  # padded experts get e_score_correction_bias = -inf (n_group == 1 only)
+
+    def reroute(self, moe, output, removed):
+        router = moe.router
+        logits = output[0]
+        scores = logits.sigmoid()
+        # Removed experts leave the *selection* scores (-inf), never the unbiased weights: the kept weights are
+        # then exactly those of a router whose bias and rows were sliced.
+        choice = (scores + router.e_score_correction_bias).masked_fill(removed, float("-inf"))
+        num_experts = choice.shape[-1]
+        group_scores = choice.view(-1, router.num_group, num_experts // router.num_group).topk(2, dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=router.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = (
+            group_mask.unsqueeze(-1).expand(-1, router.num_group, num_experts // router.num_group).reshape(-1, num_experts)
+        )
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        index = torch.topk(choice, k=router.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if router.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * router.routed_scaling_factor
+        return logits.masked_fill(removed, float("-inf")), weights, index
+
+    def router_probs(self, moe, output):
+        # DeepSeek's affinities are independent sigmoids, not a distribution over experts.
+        return output[0].float().sigmoid()
+
+    def check_keep(self, moe, kept):
+        groups = moe.router.num_group
+        if groups == 1:
+            return
+        per_group = moe.num_experts // groups
+        counts = [sum(1 for j in kept if j // per_group == g) for g in range(groups)]
+        if len(set(counts)) != 1 or counts[0] < 2:
+            raise ValueError(
+                f"deepseek_v3 layer {moe.layer_index}: with n_group={groups} every expert group must keep the same "
+                f"number (>= 2) of experts so group-limited routing is unchanged; got per-group counts {counts}. "
+                "Rank experts within groups (prune.group_balanced=true) or use a model with n_group=1."
+            )
+
+    def pad_value(self, module, name):
+        return float("-inf") if name == "e_score_correction_bias" else 0.0
+
+
+class GptOssAdapter(MoEAdapter):
+    """`layer.mlp.router` (top-k on logits incl. bias, softmax over the k values); transposed, biased experts."""
+
+    family = "gpt_oss"
+    model_types = ("gpt_oss",)
+    num_experts_key = "num_local_experts"
+    supports_non_uniform_export = True  # padded experts get router bias = -inf
+
+    def layer_view(self, index, layer, model):
+        block = getattr(layer, "mlp", None)
+        if block is None or not hasattr(block, "router"):
+            return None
+        return MoELayer(index, block, block.router, block.experts, block.experts.num_experts, block.router.top_k)
+
+    def reroute(self, moe, output, removed):
+        logits = output[0].masked_fill(removed, float("-inf"))
+        top_values, index = torch.topk(logits, moe.router.top_k, dim=-1)
+        weights = torch.softmax(top_values, dim=1, dtype=top_values.dtype)
+        return logits, weights, index
+
+    def pad_value(self, module, name):
+        return float("-inf") if (module.__class__.__name__.endswith("Router") and name == "bias") else 0.0
+
+
+class Gemma4Adapter(MoEAdapter):
+    """MoE block lives on the decoder layer: `layer.router` (RMSNorm -> proj -> softmax -> top-k -> renorm ->
+    per_expert_scale), `layer.experts`; the dense `layer.mlp` always runs beside it (the family's shared expert)."""
+
+    family = "gemma4"
+    model_types = ("gemma4_text", "gemma4")
+
+    def layer_view(self, index, layer, model):
+        if not getattr(layer, "enable_moe_block", False):
+            return None
+        return MoELayer(
+            layer_index=index,
+            block=layer,
+            router=layer.router,
+            experts=layer.experts,
+            num_experts=layer.experts.num_experts,
+            top_k=layer.router.config.top_k_experts,
+            shared_expert=layer.mlp,
+        )
+
+    def mask_hook_target(self, moe):
+        # The projection's output is the logits; -inf there and the stock softmax/top-k/renorm/scale do the rest.
+        return moe.router.proj
+
+    def reroute(self, moe, output, removed):
+        return output.masked_fill(removed, float("-inf"))
+
+    def router_probs(self, moe, output):
+        return output[0].float()  # Gemma 4's router already returns probabilities
+
+    def expert_tensors(self, moe):
+        return [
+            (moe.experts, "gate_up_proj", 0),
+            (moe.experts, "down_proj", 0),
+            (moe.router.proj, "weight", 0),
+            (moe.router, "per_expert_scale", 0),
+        ]
+
+    def set_layer_num_experts(self, moe, n):
+        super().set_layer_num_experts(moe, n)
+        moe.router.proj.out_features = n
+
+
+ADAPTERS: tuple[type[MoEAdapter], ...] = (
+    Qwen3MoeAdapter,
+    Qwen35MoeAdapter,
+    Qwen3NextAdapter,
+    Gemma4Adapter,
+    MixtralAdapter,
+    OlmoeAdapter,
+    DeepseekV3Adapter,
+    GptOssAdapter,
+    Qwen2MoeAdapter,
+)

@@ -1,0 +1,199 @@
+"""Keep sets: which routed experts each MoE layer keeps for decode.
+
+A keep set is keyed by decoder layer index, records each layer's original expert count and top-k, and is
+validated on construction (indices in range, unique, at least top-k kept). `check_model` validates it against
+a concrete model, so a keep set scored on one model cannot silently be applied to another.
+
+JSON form (``format: slimwise-keepset/1``)::
+
+    {"format": "slimwise-keepset/1", "model_type": "qwen3_moe",
+     "layers": [{"layer": 0, "num_experts": 8, "top_k": 2, "kept": [0, 3, 5, 6]}, ...],
+     "meta": {"criterion": "reap", "ratio": 0.5, ...}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from slimwise_train.utils.atomic import write_json_atomic
+
+FORMAT = "slimwise-keepset/1"
+
+
+@dataclass(frozen=True)
+class LayerKeep:
+    layer: int
+    num_experts: int
+    top_k: int
+    kept: tuple[int, ...]
+
+    @property
+    def removed(self) -> tuple[int, ...]:
+        kept = set(self.kept)
+        return tuple(j for j in range(self.num_experts) if j not in kept)
+
+    def removed_mask(self, device=None) -> torch.Tensor:
+        """[E] bool, True for removed experts."""
+        mask = torch.ones(self.num_experts, dtype=torch.bool, device=device)
+        mask[list(self.kept)] = False
+        return mask
+
+
+@dataclass(frozen=True)
+class KeepSet:
+    layers: tuple[LayerKeep, ...]
+    model_type: str | None = None
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("keep set has no layers")
+        # Sorted indices make kept expert j map to a stable new index in a physically pruned layer.
+        object.__setattr__(self, "layers", tuple(
+            LayerKeep(lk.layer, lk.num_experts, lk.top_k, tuple(sorted(lk.kept))) for lk in self.layers
+        ))
+        seen = set()
+        for lk in self.layers:
+            where = f"keep set layer {lk.layer}"
+            if lk.layer in seen:
+                raise ValueError(f"{where} appears twice")
+            seen.add(lk.layer)
+            if len(set(lk.kept)) != len(lk.kept):
+                raise ValueError(f"{where}: duplicate expert indices in {list(lk.kept)}")
+            bad = [j for j in lk.kept if not 0 <= j < lk.num_experts]
+            if bad:
+                raise ValueError(f"{where}: expert indices {bad} out of range 0..{lk.num_experts - 1}")
+            if len(lk.kept) < lk.top_k:
+                raise ValueError(
+                    f"{where} keeps {len(lk.kept)} experts but the router picks top-{lk.top_k}; "
+                    f"keep at least {lk.top_k} (lower the pruning ratio)"
+                )
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_kept(cls, moe_layers, kept: dict[int, list[int]] | list[list[int]], model_type=None, meta=None):
+        """Build from an adapter's `moe_layers(model)` and kept indices per layer (list in layer order, or a
+        dict keyed by decoder layer index)."""
+        if isinstance(kept, dict):
+            missing = [m.layer_index for m in moe_layers if m.layer_index not in kept]
+            if missing:
+                raise ValueError(f"kept experts missing for MoE layers {missing}")
+            extra = sorted(set(kept) - {m.layer_index for m in moe_layers})
+            if extra:
+                raise ValueError(f"kept experts given for layers {extra}, which are not MoE layers of this model")
+            rows = [kept[m.layer_index] for m in moe_layers]
+        else:
+            if len(kept) != len(moe_layers):
+                raise ValueError(f"kept experts given for {len(kept)} layers but the model has {len(moe_layers)} MoE layers")
+            rows = kept
+        layers = tuple(
+            LayerKeep(m.layer_index, m.num_experts, m.top_k, tuple(int(j) for j in row)) for m, row in zip(moe_layers, rows)
+        )
+        return cls(layers, model_type=model_type, meta=dict(meta or {}))
+
+    @classmethod
+    def keep_all(cls, moe_layers, model_type=None):
+        return cls.from_kept(moe_layers, [list(range(m.num_experts)) for m in moe_layers], model_type=model_type)
+
+    # ------------------------------------------------------------------ queries
+    def __iter__(self):
+        return iter(self.layers)
+
+    def __len__(self):
+        return len(self.layers)
+
+    def layer(self, layer_index: int) -> LayerKeep:
+        for lk in self.layers:
+            if lk.layer == layer_index:
+                return lk
+        raise KeyError(f"keep set has no layer {layer_index}")
+
+    @property
+    def is_uniform(self) -> bool:
+        return len({len(lk.kept) for lk in self.layers}) == 1
+
+    @property
+    def num_kept(self) -> tuple[int, ...]:
+        return tuple(len(lk.kept) for lk in self.layers)
+
+    @property
+    def keep_fraction(self) -> float:
+        return sum(self.num_kept) / sum(lk.num_experts for lk in self.layers)
+
+    def check_model(self, model, adapter=None) -> None:
+        """Raise a one-line ValueError unless this keep set fits `model` (layer indices, counts, top-k, family)."""
+        from slimwise_train.adapters import get_adapter, model_type_of
+
+        adapter = adapter or get_adapter(model)
+        moes = adapter.moe_layers(model)
+        if self.model_type is not None and adapter.family != _family_of(self.model_type):
+            raise ValueError(
+                f"keep set was made for model_type {self.model_type!r} but the model is {model_type_of(model)!r}"
+            )
+        model_layers = [m.layer_index for m in moes]
+        mine = [lk.layer for lk in self.layers]
+        if model_layers != mine:
+            raise ValueError(
+                f"keep set covers MoE layers {mine} but the model has MoE layers {model_layers}; "
+                "it was made for another model"
+            )
+        for moe, lk in zip(moes, self.layers):
+            if moe.num_experts != lk.num_experts:
+                raise ValueError(
+                    f"keep set layer {lk.layer} is for {lk.num_experts} experts but the model layer has "
+                    f"{moe.num_experts}; it was made for another (or an already pruned) model"
+                )
+            if moe.top_k != lk.top_k:
+                raise ValueError(f"keep set layer {lk.layer} assumes top-{lk.top_k}, the model routes top-{moe.top_k}")
+            adapter.check_keep(moe, list(lk.kept))
+
+    # ------------------------------------------------------------------ IO
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "model_type": self.model_type,
+            "layers": [
+                {"layer": lk.layer, "num_experts": lk.num_experts, "top_k": lk.top_k, "kept": list(lk.kept)}
+                for lk in self.layers
+            ],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "KeepSet":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a keep set: expected format {FORMAT!r}, got {data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
+        try:
+            layers = tuple(
+                LayerKeep(int(x["layer"]), int(x["num_experts"]), int(x["top_k"]), tuple(int(j) for j in x["kept"]))
+                for x in data["layers"]
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed keep set: {exc!r}; each layer needs layer, num_experts, top_k and kept") from None
+        return cls(layers, model_type=data.get("model_type"), meta=data.get("meta") or {})
+
+    def save(self, path: str | os.PathLike) -> None:
+        write_json_atomic(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "KeepSet":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"keep set file {path} does not exist; write one with `python -m slimwise_train.prune`")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"keep set file {path} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def _family_of(model_type: str) -> str:
+    from slimwise_train.adapters import _BY_MODEL_TYPE
+
+    cls = _BY_MODEL_TYPE.get(model_type)
+    return cls.family if cls else model_type
