@@ -1,0 +1,36 @@
+# One-command set-up: every target that needs Python creates .venv first when it is missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.slimwise-installed
+export WANDB_MODE ?= disabled
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+
+.PHONY: venv test test-fast test-dist demo clean
+
+venv: $(STAMP)
+
+# torch first and pinned, so no later install can pull a different (CUDA) build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $(STAMP)
+
+# The test command CI runs: fast CPU unit tests plus the multi-process gloo tests.
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not dist and not slow"
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+clean:
+	rm -rf outputs multirun .pytest_cache
