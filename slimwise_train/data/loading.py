@@ -1,0 +1,205 @@
+"""Text data through Hugging Face `datasets`: hub ids, local files, or declarative recipes in data_recipes/.
+
+`DataConfig.source` is resolved in this order:
+  1. a recipe name: data_recipes/<source>.yaml (or a path to a .yaml recipe);
+  2. a local file or folder: .jsonl/.json -> "json", .parquet -> "parquet", .txt -> "text" builders;
+  3. otherwise a hub id for `load_dataset(source, subset, split=...)`.
+
+Rows become (prompt, answer) conversations and then text:
+  * `messages` / `conversations` columns (OpenAI role/content or ShareGPT from/value);
+  * `prompt` + `answer` (or `response`/`completion`) columns;
+  * a plain `text` column (or `DataConfig.text_field`): no prompt, the whole text is the answer.
+The tokenizer's chat template is used when it has one and `chat_template` is on.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import yaml
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "data_recipes"
+_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+         "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool"}
+
+
+@dataclass(frozen=True)
+class TextPair:
+    """One training/calibration sequence: `prompt` text (may be empty) then `answer` text."""
+
+    prompt: str
+    answer: str
+    family: str = ""
+
+
+def recipe_path(source: str) -> Path | None:
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    candidate = RECIPES_DIR / f"{source}.yaml"
+    return candidate if candidate.is_file() else None
+
+
+def load_recipe(source: str) -> dict:
+    path = recipe_path(source)
+    if path is None:
+        raise FileNotFoundError(f"no data recipe {source!r}; recipes: {', '.join(list_recipes())}")
+    return yaml.safe_load(path.read_text())
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def _load_rows(source: str, split: str, subset: str | None = None, data_files=None):
+    from datasets import load_dataset
+
+    path = Path(source)
+    if path.exists():
+        files = [str(p) for p in sorted(path.iterdir())] if path.is_dir() else [str(path)]
+        suffix = Path(files[0]).suffix if files else ""
+        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}.get(suffix)
+        if builder is None:
+            raise ValueError(f"data source {source}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or .txt")
+        return load_dataset(builder, data_files=files, split="train")
+    return load_dataset(source, subset, split=split, data_files=data_files)
+
+
+def _messages_to_pair(messages, family="") -> TextPair | None:
+    turns = []
+    for m in messages:
+        role = _ROLE.get(m.get("role", m.get("from", "")), "user")
+        content = m.get("content", m.get("value", ""))
+        turns.append((role, content))
+    last = max((i for i, (role, _) in enumerate(turns) if role == "assistant"), default=None)
+    if last is None:
+        return None
+    return TextPair(prompt=_render_turns(turns[:last]), answer=turns[last][1], family=family)
+
+
+def _render_turns(turns) -> str:
+    # Plain rendering for tokenizers without a chat template; the chat-template path re-renders from pairs.
+    return "".join(f"{role}: {content}\n" for role, content in turns)
+
+
+def row_to_pair(row: dict, text_field: str | None = None, family: str = "") -> TextPair | None:
+    if text_field:
+        return TextPair("", str(row[text_field]), family)
+    for key in ("messages", "conversations"):
+        if key in row and row[key]:
+            return _messages_to_pair(row[key], family)
+    if "prompt" in row:
+        for key in ("answer", "response", "completion", "output"):
+            if key in row:
+                return TextPair(str(row["prompt"]), str(row[key]), row.get("family", family) or family)
+    if "text" in row:
+        return TextPair("", str(row["text"]), family)
+    raise ValueError(
+        f"cannot read a row with columns {sorted(row)}; expected messages/conversations, prompt+answer, or text "
+        "(or set data.text_field)"
+    )
+
+
+def load_pairs(data_cfg, split: str | None = None, num_samples: int | None = None) -> list[TextPair]:
+    """Read `num_samples` (default data_cfg.num_samples) sequences from the configured source, shuffled with
+    data_cfg.seed. Raises a clear error for a missing or empty source."""
+    split = split or data_cfg.split
+    num_samples = num_samples if num_samples is not None else data_cfg.num_samples
+    if recipe_path(data_cfg.source) is not None:
+        pairs = _pairs_from_recipe(load_recipe(data_cfg.source), split, num_samples, data_cfg.seed)
+    else:
+        if not Path(data_cfg.source).exists() and ("/" not in data_cfg.source or data_cfg.source.startswith((".", "/"))):
+            raise FileNotFoundError(
+                f"data source {data_cfg.source!r} is neither a recipe ({', '.join(list_recipes())}), an existing "
+                "file or folder, nor a hub id (owner/name)"
+            )
+        rows = _load_rows(data_cfg.source, split, data_cfg.subset)
+        pairs = [p for p in (row_to_pair(r, data_cfg.text_field) for r in rows) if p is not None]
+    if not pairs:
+        raise ValueError(f"data source {data_cfg.source!r} (split {split}) has no usable rows")
+    if data_cfg.shuffle:
+        random.Random(data_cfg.seed).shuffle(pairs)
+    return pairs[:num_samples]
+
+
+def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int) -> list[TextPair]:
+    if "families" in recipe:  # the offline synthetic suite
+        from slimwise_train.data import synthetic
+
+        which = "eval" if split in ("eval", "test", "validation") else "train"
+        examples = synthetic.generate_from_recipe(recipe, split=which, n=num_samples)
+        return [TextPair(e.prompt + recipe.get("separator", "\n"), e.answer, e.family) for e in examples]
+    sources = recipe.get("sources") or []
+    if not sources:
+        raise ValueError(f"recipe {recipe.get('name')!r} lists no sources")
+    total = sum(float(s.get("weight", 1.0)) for s in sources)
+    pairs: list[TextPair] = []
+    for src in sources:
+        want = max(1, round(num_samples * float(src.get("weight", 1.0)) / total))
+        rows = _load_rows(src.get("path") or src["id"], src.get("split", split), src.get("subset"))
+        got = []
+        for row in rows:
+            pair = row_to_pair(row, src.get("text_field"), family=src.get("family", src.get("id", "")))
+            if pair is not None:
+                got.append(pair)
+            if len(got) >= want:
+                break
+        pairs.extend(got)
+    return pairs
+
+
+# --------------------------------------------------------------------------- tokenisation and batching
+
+
+def encode_pair(tokenizer, pair: TextPair, chat_template: bool, max_len: int) -> tuple[list[int], int]:
+    """Token ids of prompt+answer+EOS truncated to max_len, and the prompt length in tokens."""
+    if chat_template and getattr(tokenizer, "chat_template", None) and pair.prompt:
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": pair.prompt}], add_generation_prompt=True,
+                                                   tokenize=True)
+        if isinstance(prompt_ids, dict):
+            prompt_ids = prompt_ids["input_ids"]
+    else:
+        prompt_ids = tokenizer(pair.prompt, add_special_tokens=False)["input_ids"] if pair.prompt else []
+    answer_ids = tokenizer(pair.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = (list(prompt_ids) + answer_ids)[:max_len]
+    return ids, min(len(prompt_ids), len(ids))
+
+
+def encode_all(tokenizer, pairs: list[TextPair], data_cfg) -> list[tuple[list[int], int]]:
+    encoded = [encode_pair(tokenizer, p, data_cfg.chat_template, data_cfg.seq_len) for p in pairs]
+    encoded = [e for e in encoded if len(e[0]) > 0]
+    if not encoded:
+        raise ValueError(f"data source {data_cfg.source!r}: every sequence tokenised to nothing")
+    return encoded
+
+
+def pad_batch(sequences: list[list[int]], pad_id: int, side: str = "right") -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if side == "right":
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+        else:
+            ids[i, width - len(seq):] = torch.tensor(seq)
+            mask[i, width - len(seq):] = 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def calibration_batches(encoded, batch_size: int, pad_id: int, rank: int = 0, world_size: int = 1) -> Iterator[dict]:
+    """Right-padded batches of this rank's shard (sequence i goes to rank i % world_size), sorted by length
+    so padding stays small."""
+    shard = [seq for i, (seq, _) in enumerate(encoded) if i % world_size == rank]
+    shard.sort(key=len)
+    for start in range(0, len(shard), batch_size):
+        yield pad_batch(shard[start : start + batch_size], pad_id)
+
+
+def num_batches(num_sequences: int, batch_size: int, rank: int = 0, world_size: int = 1) -> int:
+    mine = len(range(rank, num_sequences, world_size))
+    return -(-mine // batch_size)

@@ -1,0 +1,81 @@
+"""Loading models and tokenizers from a `ModelConfig`: real checkpoints through `from_pretrained`, tiny
+random models of the stock classes for tests and smoke runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from slimwise_train.adapters import get_adapter
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+SHIPPED_TOKENIZER = ASSETS / "tokenizer"
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown model.dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def load_tokenizer(model_cfg):
+    source = model_cfg.tokenizer or model_cfg.path
+    if source is None and model_cfg.tiny:
+        source = str(SHIPPED_TOKENIZER)
+    if source is None:
+        raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=model_cfg.revision if source == model_cfg.path else None,
+                                              trust_remote_code=model_cfg.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None):
+    """(model in eval mode on `device`, tokenizer). Raises a clear error for a dense or unsupported model."""
+    device = resolve_device(device) if isinstance(device, str) else device
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    tokenizer = tokenizer or load_tokenizer(model_cfg)
+    if model_cfg.tiny:
+        from slimwise_train.testing.tiny import tiny_model
+
+        overrides = dict(model_cfg.tiny_overrides or {})
+        overrides.setdefault("vocab_size", len(tokenizer))
+        overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
+        overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
+        model = tiny_model(model_cfg.tiny, seed=model_cfg.seed, **overrides).to(dtype)
+    else:
+        if not model_cfg.path:
+            raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
+        model = AutoModelForCausalLM.from_pretrained(
+            model_cfg.path, dtype=dtype, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+        )
+    get_adapter(model)  # fail now, with the supported list, for a dense or unknown model
+    if model_cfg.experts_implementation:
+        model.set_experts_implementation(model_cfg.experts_implementation)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        raise ValueError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's embedding has "
+            f"{model.get_input_embeddings().num_embeddings}; model.tokenizer points at the wrong tokenizer"
+        )
+    return model.to(device).eval(), tokenizer
+
+
+def model_identity(model_cfg) -> str:
+    """Human-readable identity recorded in output metadata."""
+    if model_cfg.tiny:
+        return f"tiny:{model_cfg.tiny}:seed={model_cfg.seed}"
+    return f"{model_cfg.path}@{model_cfg.revision or 'main'}"

@@ -1,0 +1,187 @@
+"""`python -m slimwise_train.prune`: score experts on a calibration set and write keep sets.
+
+    python -m slimwise_train.prune model=tiny_qwen3_moe prune.criterion=reap prune.ratio=0.5
+    python -m slimwise_train.prune --multirun prune.ratio=0.25,0.5,0.75 prune.criterion=mass,ean,reap
+    torchrun --nproc_per_node 2 -m slimwise_train.prune ...     # each rank scores a shard, sums all-reduced
+
+Writes into output_dir (each file atomically, only after everything is computed):
+  scores.safetensors    raw float64 statistics + every criterion's [layers, experts] scores + metadata
+  keep_set.json         kept experts per layer
+  router_mask.safetensors   per layer a [E] 0/-inf logit bias for co-located (phase-aware) serving
+  pruned/               physically pruned HF checkpoint for a decode instance (prune.export_checkpoint=true)
+  prune_summary.json    what was done, where the statistics came from, kept mass per layer
+Statistics are cached under prune.cache_dir keyed by model + calibration data, so a sweep over ratios and
+criteria calibrates once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from slimwise_train.config import register_configs, to_container
+from slimwise_train.utils import distributed as du
+
+log = logging.getLogger("slimwise.prune")
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+
+
+def validate_prune_config(prune_cfg) -> None:
+    from slimwise_train.scoring import get_criterion
+
+    if not 0.0 < float(prune_cfg.ratio) < 1.0:
+        raise ValueError(f"prune.ratio must be in (0, 1), got {prune_cfg.ratio}; e.g. prune.ratio=0.5 removes half")
+    get_criterion(prune_cfg.criterion)
+    if prune_cfg.scope not in ("layer", "global"):
+        raise ValueError(f"unknown prune.scope {prune_cfg.scope!r}; use layer or global")
+
+
+def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
+    data = {k: data_cfg[k] for k in ("source", "split", "subset", "text_field", "num_samples", "seq_len",
+                                     "chat_template", "seed", "shuffle")}
+    payload = {"model": fingerprint, "data": data, "tokenizer": [type(tokenizer).__name__, len(tokenizer)]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
+    """(ExpertStatistics, source) where source is 'file', 'cache' or 'computed'."""
+    from slimwise_train.data.loading import calibration_batches, encode_all, load_pairs, num_batches
+    from slimwise_train.scoring import collect_statistics, load_scores, save_scores
+
+    if cfg.prune.scores:
+        stats, meta = load_scores(cfg.prune.scores)
+        check_same_model(meta.get("model", {}), fingerprint, cfg.prune.scores)
+        return stats, meta, "file"
+    key = statistics_key(fingerprint, cfg.data, tokenizer)
+    cache_file = Path(cfg.prune.cache_dir) / f"{key}.safetensors"
+    if cfg.prune.use_cache and cache_file.is_file():
+        stats, meta = load_scores(cache_file)
+        check_same_model(meta.get("model", {}), fingerprint, cache_file)
+        log.info("statistics: cache hit %s", cache_file)
+        return stats, meta, "cache"
+    pairs = load_pairs(cfg.data)
+    encoded = encode_all(tokenizer, pairs, cfg.data)
+    rank, world = du.rank(), du.world_size()
+    if len(encoded) < world:
+        raise ValueError(f"calibration set has {len(encoded)} sequences for {world} ranks; raise data.num_samples")
+    log.info("statistics: calibrating on %d sequences (%d tokens) across %d rank(s)", len(encoded),
+             sum(len(e[0]) for e in encoded), world)
+    batches = calibration_batches(encoded, cfg.data.batch_size, tokenizer.pad_token_id, rank, world)
+    stats = collect_statistics(model, batches, progress=cfg.progress,
+                               total=num_batches(len(encoded), cfg.data.batch_size, rank, world))
+    meta = {
+        "model": fingerprint,
+        "calibration": {**to_container(cfg.data), "num_sequences": len(encoded),
+                        "num_tokens": int(stats.num_tokens[0].item())},
+    }
+    if cfg.prune.use_cache and du.is_rank0():
+        save_scores(cache_file, stats, meta)
+    return stats, {**meta, "layer_indices": list(stats.layer_indices)}, "computed"
+
+
+def check_same_model(recorded: dict, fingerprint: dict, where) -> None:
+    if recorded != fingerprint:
+        differing = sorted(k for k in set(recorded) | set(fingerprint) if recorded.get(k) != fingerprint.get(k))
+        raise ValueError(
+            f"scores file {where} was computed on another model (differs in {', '.join(differing)}); "
+            "re-run scoring on this model or drop prune.scores"
+        )
+
+
+def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for lk in keep_set:
+        bias = torch.zeros(lk.num_experts, dtype=torch.float32)
+        bias[list(lk.removed)] = float("-inf")
+        tensors[f"layers.{lk.layer}.router_logit_bias"] = bias
+        tensors[f"layers.{lk.layer}.kept"] = torch.tensor(lk.kept, dtype=torch.int64)
+    return tensors
+
+
+def run_prune(cfg) -> dict:
+    """The whole prune job; returns the summary. Importable for tests and notebooks."""
+    from safetensors.torch import save_file
+
+    from slimwise_train.adapters import get_adapter
+    from slimwise_train.keepset import KeepSet
+    from slimwise_train.models import load_model, model_identity
+    from slimwise_train.pruning import check_exportable, export_pruned
+    from slimwise_train.scoring import get_criterion, model_fingerprint, save_scores, select_keep
+    from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
+
+    validate_prune_config(cfg.prune)
+    model, tokenizer = load_model(cfg.model, cfg.device)
+    adapter = get_adapter(model)
+    layers = adapter.moe_layers(model)
+    groups = getattr(model.config.get_text_config(), "n_group", 1) if adapter.family == "deepseek_v3" else 1
+    # Check the ratio against this model's expert count before any calibration work.
+    select_keep(torch.zeros(len(layers), layers[0].num_experts), cfg.prune.ratio, layers[0].top_k, cfg.prune.scope, groups)
+    fingerprint = model_fingerprint(model, adapter)
+    stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint)
+    scores = get_criterion(cfg.prune.criterion)(stats)
+    kept = select_keep(scores, cfg.prune.ratio, stats.top_k, cfg.prune.scope, groups)
+    meta = {
+        "criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
+        "model": model_identity(cfg.model), "statistics": source,
+    }
+    keep_set = KeepSet.from_kept(layers, kept, model_type=model.config.model_type, meta=meta)
+    keep_set.check_model(model, adapter)
+    if cfg.prune.export_checkpoint:
+        check_exportable(adapter, model, keep_set)
+    mass = stats.mass_all
+    kept_mass = [float(mass[i, k].sum() / mass[i].sum()) if mass[i].sum() > 0 else 0.0 for i, k in enumerate(kept)]
+    summary = {
+        **meta,
+        "family": adapter.family,
+        "num_kept": list(keep_set.num_kept),
+        "kept_routing_mass": kept_mass,
+        "calibration_tokens": int(stats.num_tokens[0].item()),
+        "world_size": du.world_size(),
+    }
+    if du.is_rank0():
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if cfg.prune.export_checkpoint:
+            export_pruned(model, keep_set, out / "pruned", tokenizer=tokenizer, overwrite=True)
+        save_scores(out / "scores.safetensors", stats, {**stats_meta, "model": fingerprint})
+        keep_set.save(out / "keep_set.json")
+        if cfg.prune.export_mask:
+            with atomic_path(out / "router_mask.safetensors") as tmp:
+                save_file(router_mask_tensors(keep_set), str(tmp),
+                          metadata={"format": "slimwise-router-mask/1", "model": json.dumps(fingerprint, sort_keys=True)})
+        write_text_atomic(out / "prune_config.yaml", OmegaConf.to_yaml(cfg))
+        write_json_atomic(out / "prune_summary.json", summary)
+        log.info("kept %s experts per layer (%s, ratio %s) -> %s", list(keep_set.num_kept), cfg.prune.criterion,
+                 cfg.prune.ratio, out)
+    du.barrier()
+    return summary
+
+
+register_configs()
+
+
+@hydra.main(config_path=CONF_DIR, config_name="prune", version_base=None)
+def main(cfg: DictConfig) -> None:
+    du.init_if_launched()
+    try:
+        run_prune(cfg)
+    except USER_ERRORS as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"slimwise_train.prune: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        du.shutdown()
