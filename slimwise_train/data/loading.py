@@ -65,7 +65,12 @@ def _load_rows(source: str, split: str, subset: str | None = None, data_files=No
         builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}.get(suffix)
         if builder is None:
             raise ValueError(f"data source {source}: unsupported file type {suffix!r}; use .jsonl, .json, .parquet or .txt")
-        return load_dataset(builder, data_files=files, split="train")
+        if all(Path(f).stat().st_size == 0 for f in files):
+            return []
+        try:
+            return load_dataset(builder, data_files=files, split="train")
+        except Exception as exc:  # datasets raises many types for malformed files; one clear message
+            raise ValueError(f"data source {source}: cannot read it as {builder}: {exc}") from None
     return load_dataset(source, subset, split=split, data_files=data_files)
 
 
