@@ -48,6 +48,9 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
         raise FileExistsError(f"{path} already exists; pass overwrite=true or choose another output folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any folder the user makes
     try:
         yield tmp
         if path.exists():

@@ -1,0 +1,221 @@
+"""Train the small MoE teacher that ships with slimwise_train (slimwise_train/assets/teacher).
+
+    python scripts/train_teacher.py                      # ~60 min on 2 CPU cores, stops by itself
+    python scripts/train_teacher.py --minutes 5 --out /tmp/teacher   # a quick smoke run
+
+A stock `Qwen3MoeForCausalLM` (64 experts, top-4, weak load balancing) learns the offline synthetic suite
+(math / code / tool). The design follows the pilots in ../shared/notes/pilot-tiny-teacher.md: 16 experts with
+top-2 and aux 0.01 left no redundancy (50% pruning -> ~0 on every family), 64 experts with top-4 and aux 0.001
+kept math/code within a few points at 25% pruning, which is the regime real 35B MoEs are in.
+
+Training: loss on answer + EOS only; AdamW, warm-up then cosine decay over the time budget; length-bucketed
+batches. Every `--eval-every` minutes it decodes held-out problems greedily and stops once every family
+reaches `--target` (or the time budget ends); then it evaluates the final model on `--final-eval` held-out
+problems per family and writes the checkpoint (safetensors) and a training log, atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from slimwise_train.data import synthetic  # noqa: E402
+from slimwise_train.handoff import handoff_generate  # noqa: E402
+from slimwise_train.utils.atomic import atomic_dir  # noqa: E402
+
+TOKENIZER = REPO / "slimwise_train" / "assets" / "tokenizer"
+
+
+def teacher_config(tokenizer, args) -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 2,
+        moe_intermediate_size=args.moe_intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 4,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        norm_topk_prob=True,
+        router_aux_loss_coef=args.aux,
+        output_router_logits=False,  # training asks for them per call; generation must not (HF aux-loss mask bug)
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        initializer_range=0.02,
+    )
+
+
+def encode(tokenizer, example):
+    prompt, answer = synthetic.to_text(example)
+    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    a = tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return p, a
+
+
+def batches(tokenizer, args, exclude):
+    """Endless length-bucketed training batches: (input_ids, attention_mask, labels) right-padded."""
+    chunk = 0
+    while True:
+        examples = synthetic.generate_mixture(args.batch * 64 // 3 + 1, seed=args.seed + 1000 * chunk, exclude=exclude)
+        chunk += 1
+        encoded = [encode(tokenizer, e) for e in examples]
+        encoded.sort(key=lambda pa: len(pa[0]) + len(pa[1]))
+        groups = [encoded[i : i + args.batch] for i in range(0, len(encoded), args.batch)]
+        random.Random(chunk).shuffle(groups)
+        for group in groups:
+            width = max(len(p) + len(a) for p, a in group)
+            ids = torch.full((len(group), width), tokenizer.pad_token_id, dtype=torch.long)
+            labels = torch.full((len(group), width), -100, dtype=torch.long)
+            mask = torch.zeros((len(group), width), dtype=torch.long)
+            for row, (p, a) in enumerate(group):
+                seq = p + a
+                ids[row, : len(seq)] = torch.tensor(seq)
+                mask[row, : len(seq)] = 1
+                labels[row, len(p) : len(seq)] = torch.tensor(a)  # HF shifts labels inside the loss
+            yield ids, mask, labels
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, problems, batch_size=64):
+    """Greedy exact match per family on held-out problems; also median output length."""
+    model.eval()
+    per_family = {}
+    for family, items in problems.items():
+        correct, lengths = 0, []
+        for start in range(0, len(items), batch_size):
+            chunk = items[start : start + batch_size]
+            prompts = [synthetic.to_text(e)[0] for e in chunk]
+            enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
+            budget = args_budget(family)
+            out = handoff_generate(model, model, enc["input_ids"], enc["attention_mask"], budget,
+                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+            for row, example in enumerate(chunk):
+                n = int(out.lengths[row])
+                ended = bool(out.ended[row])
+                text = tokenizer.decode(out.tokens[row, : n - 1 if ended else n])
+                correct += synthetic.check(family, example.prompt, text, ended=ended)
+                lengths.append(n)
+        per_family[family] = {"accuracy": correct / len(items), "median_length": sorted(lengths)[len(lengths) // 2]}
+    model.train()
+    return per_family
+
+
+_BUDGETS = {}
+
+
+def args_budget(family):
+    return _BUDGETS[family]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "slimwise_train" / "assets" / "teacher"))
+    parser.add_argument("--minutes", type=float, default=55.0, help="training time budget (wall clock); + final eval < 60 min")
+    parser.add_argument("--target", type=float, default=0.93, help="stop early once every family reaches this")
+    parser.add_argument("--eval-every", type=float, default=6.0, help="minutes between held-out checks")
+    parser.add_argument("--eval-n", type=int, default=60, help="held-out problems per family during training")
+    parser.add_argument("--final-eval", type=int, default=200, help="held-out problems per family at the end")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--top-k", type=int, default=4)
+    parser.add_argument("--moe-intermediate", type=int, default=48)
+    parser.add_argument("--aux", type=float, default=0.001)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=2025)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    model = Qwen3MoeForCausalLM(teacher_config(tokenizer, args))
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"teacher: {num_params:,} parameters; {args.experts} experts top-{args.top_k}, aux {args.aux}", flush=True)
+
+    heldout = {f: synthetic.heldout(f, args.final_eval, seed=0) for f in synthetic.FAMILIES}
+    exclude = frozenset(e.prompt for items in heldout.values() for e in items)
+    for family, items in heldout.items():
+        longest = max(len(encode(tokenizer, e)[1]) for e in items)
+        _BUDGETS[family] = 2 * longest
+    probe = {f: items[: args.eval_n] for f, items in heldout.items()}
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    budget_s = args.minutes * 60
+    start = time.time()
+    log = {"args": vars(args), "num_parameters": num_params, "curve": [], "evals": []}
+    tokens = answer_tokens = step = 0
+    next_eval = args.eval_every * 60
+    window = {"ce": 0.0, "aux": 0.0, "n": 0}
+    model.train()
+    stop_reason = "time budget"
+    for ids, mask, labels in batches(tokenizer, args, exclude):
+        elapsed = time.time() - start
+        if elapsed >= budget_s:
+            break
+        progress = min(elapsed / budget_s, 1.0)
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
+        ce = out.loss - args.aux * out.aux_loss
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        tokens += int(mask.sum())
+        answer_tokens += int((labels != -100).sum())
+        window["ce"] += float(ce.detach())
+        window["aux"] += float(out.aux_loss)
+        window["n"] += 1
+        if step % 100 == 0:
+            row = {"minute": round(elapsed / 60, 2), "step": step, "answer_ce": round(window["ce"] / window["n"], 4),
+                   "aux": round(window["aux"] / window["n"], 3), "tok_per_s": round(tokens / elapsed), "lr": lr}
+            log["curve"].append(row)
+            print(json.dumps(row), flush=True)
+            window = {"ce": 0.0, "aux": 0.0, "n": 0}
+        if elapsed >= next_eval:
+            result = evaluate(model, tokenizer, probe)
+            entry = {"minute": round((time.time() - start) / 60, 2), "step": step,
+                     **{f: r["accuracy"] for f, r in result.items()}}
+            log["evals"].append(entry)
+            print("eval", json.dumps(entry), flush=True)
+            next_eval = (time.time() - start) + args.eval_every * 60
+            if all(r["accuracy"] >= args.target for r in result.values()):
+                stop_reason = f"every family >= {args.target} on {args.eval_n} held-out problems"
+                break
+    train_s = time.time() - start
+    final = evaluate(model, tokenizer, heldout)
+    log.update({"stop_reason": stop_reason, "train_seconds": round(train_s), "steps": step, "tokens": tokens,
+                "answer_tokens": answer_tokens, "final_eval": final, "final_eval_n": args.final_eval,
+                "budgets": dict(_BUDGETS)})
+    print("final", json.dumps(final), "stop:", stop_reason, flush=True)
+    with atomic_dir(args.out, overwrite=args.overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    print(f"saved to {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
