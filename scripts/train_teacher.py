@@ -137,6 +137,7 @@ def main(argv=None):
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--moe-intermediate", type=int, default=48)
     parser.add_argument("--aux", type=float, default=0.001)
+    parser.add_argument("--max-steps", type=int, default=8000, help="the schedule ends at whichever comes first")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--batch", type=int, default=32)
@@ -167,12 +168,13 @@ def main(argv=None):
     next_eval = args.eval_every * 60
     window = {"ce": 0.0, "aux": 0.0, "n": 0}
     model.train()
-    stop_reason = "time budget"
+    stop_reason = "time or step budget"
     for ids, mask, labels in batches(tokenizer, args, exclude):
         elapsed = time.time() - start
-        if elapsed >= budget_s:
+        if elapsed >= budget_s or step >= args.max_steps:
             break
-        progress = min(elapsed / budget_s, 1.0)
+        # Anneal by whichever budget runs out first, so a slower (shared) machine still ends at a low lr.
+        progress = min(max(elapsed / budget_s, step / args.max_steps), 1.0)
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
             group["lr"] = lr

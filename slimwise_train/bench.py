@@ -5,6 +5,8 @@ noisy shared machine; absolute times are printed too and become meaningful on a 
 
     python -m slimwise_train.bench calib      # statistics collection vs a plain no-grad forward
     python -m slimwise_train.bench phase      # phase-aware masking hooks in the prefill phase vs no hooks
+    python -m slimwise_train.bench loss       # top-k + residual KL vs naive full-vocabulary KL
+    python -m slimwise_train.bench decode     # decode step: full vs masked vs pruned pools, batch 1..64
 """
 
 from __future__ import annotations
@@ -151,7 +153,165 @@ def _model_args(parser, **defaults):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
-BENCHES = {"calib": run_calib, "phase": run_phase}
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _loss_memory_child(variant: str, tokens: int, vocab: int, top_k: int, chunk: int) -> dict:
+    """Runs in a fresh process: peak RSS growth of one loss forward+backward beyond its inputs."""
+    import torch.nn.functional as F
+
+    from slimwise_train.distill.losses import distill_loss
+
+    g = torch.Generator().manual_seed(0)
+    student = torch.randn(tokens, vocab, generator=g).requires_grad_(True)
+    teacher = torch.randn(tokens, vocab, generator=g) * 2
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    before = _peak_rss_bytes()
+    if variant == "topk_residual":
+        out = distill_loss(student, teacher, labels, top_k=top_k, chunk_size=chunk)
+        out["loss"].backward()
+    else:
+        kl = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
+        loss = 0.1 * F.cross_entropy(student, labels) + 0.9 * kl
+        loss.backward()
+    return {"peak_extra_bytes": _peak_rss_bytes() - before}
+
+
+def run_loss(args) -> dict:
+    """top-k + residual KL (chunked) vs the naive full-vocabulary KL: time and peak extra memory."""
+    import subprocess
+    import torch.nn.functional as F
+
+    from slimwise_train.distill.losses import distill_loss
+
+    logits_bytes = args.tokens * args.vocab * 4
+    memory = {}
+    for variant in ("topk_residual", "naive_full"):
+        code = (f"import json; from slimwise_train.bench import _loss_memory_child as f; "
+                f"print(json.dumps(f({variant!r}, {args.tokens}, {args.vocab}, {args.top_k}, {args.chunk})))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench loss ({variant}) failed: {proc.stderr.strip().splitlines()[-1:]}")
+        memory[variant] = json.loads(proc.stdout.strip().splitlines()[-1])["peak_extra_bytes"]
+    g = torch.Generator().manual_seed(0)
+    tokens = min(args.tokens, args.time_tokens)
+    student = torch.randn(tokens, args.vocab, generator=g).requires_grad_(True)
+    teacher = torch.randn(tokens, args.vocab, generator=g) * 2
+    labels = torch.randint(0, args.vocab, (tokens,), generator=g)
+
+    def ours():
+        student.grad = None
+        distill_loss(student, teacher, labels, top_k=args.top_k, chunk_size=args.chunk)["loss"].backward()
+
+    def naive():
+        student.grad = None
+        kl = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")
+        (0.1 * F.cross_entropy(student, labels) + 0.9 * kl).backward()
+
+    times = interleaved_times({"topk_residual": ours, "naive_full": naive}, args.repeats, 1, torch.device("cpu"))
+    t_ours, t_naive = statistics.median(times["topk_residual"]), statistics.median(times["naive_full"])
+    return {
+        "bench": "loss",
+        "tokens": args.tokens,
+        "vocab": args.vocab,
+        "top_k": args.top_k,
+        "chunk_size": args.chunk,
+        "logits_fp32_bytes": logits_bytes,
+        "peak_extra_bytes": memory,
+        "peak_extra_over_logits": {k: round(v / logits_bytes, 3) for k, v in memory.items()},
+        "target_peak_extra_over_logits_max": 1.5,
+        "timed_tokens": tokens,
+        "time_s": {"topk_residual": round(t_ours, 4), "naive_full": round(t_naive, 4)},
+        "ratio": round(t_ours / t_naive, 3),
+    }
+
+
+def run_decode(args) -> dict:
+    """One batched decode step: full pool, phase-aware masking and physically pruned pools, per batch size."""
+    import copy
+
+    from slimwise_train.adapters import get_adapter
+    from slimwise_train.keepset import KeepSet
+    from slimwise_train.masking import PhaseMasking
+    from slimwise_train.pruning import prune_experts_
+    from slimwise_train.scoring import num_to_keep
+
+    device = torch.device(args.device)
+    full = bench_model(args.model_type, args.hidden, args.layers, args.experts, args.top_k, args.moe_intermediate,
+                       args.vocab, device).eval()
+    adapter = get_adapter(full)
+    layers = adapter.moe_layers(full)
+    bytes_per_expert = sum(getattr(m, n)[0].numel() * getattr(m, n).element_size()
+                           for m, n, _ in adapter.expert_tensors(layers[0]) if m is layers[0].experts)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    # Keep sets by a fixed stride (which experts survive does not matter for speed, only how many).
+    keeps = {r: KeepSet.from_kept(layers, [list(range(num_to_keep(m.num_experts, r))) for m in layers]) for r in ratios}
+    pruned = {r: prune_experts_(copy.deepcopy(full), keeps[r]) for r in ratios}
+    masked = copy.deepcopy(full)
+    mask_ratio = 0.5 if 0.5 in ratios else ratios[0]
+    masking = PhaseMasking(masked, keeps[mask_ratio], phase="decode")
+    results = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        g = torch.Generator().manual_seed(batch)
+        prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=g).to(device)
+        with torch.no_grad():
+            cache = full(input_ids=prompt, use_cache=True).past_key_values
+        step_ids = torch.randint(0, args.vocab, (batch, 1), generator=g).to(device)
+        touched: dict[str, list[float]] = {}
+
+        def step(model, name):
+            @torch.no_grad()
+            def run():
+                hooks = []
+                fractions = []
+                for moe in adapter.moe_layers(model):
+                    hooks.append(moe.experts.register_forward_pre_hook(
+                        lambda mod, a, n=moe.num_experts: fractions.append(a[1].unique().numel() / n)))
+                model(input_ids=step_ids, past_key_values=cache, use_cache=True)
+                for h in hooks:
+                    h.remove()
+                cache.crop(-1)  # undo the appended token so every run sees the same cache
+                touched.setdefault(name, []).append(sum(fractions) / len(fractions))
+            return run
+
+        fns = {"full": step(full, "full"), f"masked_{mask_ratio}": step(masked, f"masked_{mask_ratio}")}
+        fns.update({f"pruned_{r}": step(pruned[r], f"pruned_{r}") for r in ratios})
+        times = interleaved_times(fns, args.repeats, 2, device)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        experts_full = statistics.mean(touched["full"]) * args.experts
+        row = {"batch": batch, "step_s": {k: round(v, 5) for k, v in med.items()},
+               "experts_touched_share": {k: round(statistics.mean(v), 3) for k, v in touched.items()}}
+        row["masked_over_pruned"] = round(med[f"masked_{mask_ratio}"] / med[f"pruned_{mask_ratio}"], 3)
+        row["speedup"] = {}
+        row["bytes_bound"] = {}
+        row["bound_efficiency"] = {}
+        for r in ratios:
+            kept = num_to_keep(args.experts, r)
+            experts_pruned = statistics.mean(touched[f"pruned_{r}"]) * kept
+            bound = experts_full / experts_pruned
+            speed = med["full"] / med[f"pruned_{r}"]
+            row["speedup"][str(r)] = round(speed, 3)
+            row["bytes_bound"][str(r)] = round(bound, 3)
+            row["bound_efficiency"][str(r)] = round(speed / bound, 3)
+        results.append(row)
+        print(json.dumps({"partial": row}), file=sys.stderr, flush=True)
+    masking.remove()
+    return {
+        "bench": "decode",
+        "device": str(device),
+        "model": f"{args.model_type} L{args.layers} H{args.hidden} E{args.experts} top{args.top_k} I{args.moe_intermediate}",
+        "expert_bytes_per_layer": bytes_per_expert * args.experts,
+        "prompt_len": args.prompt,
+        "results": results,
+        "ratio": results[-1]["speedup"].get("0.5", next(iter(results[-1]["speedup"].values()))),
+        "targets": {"masked_over_pruned_max": 1.05, "pruned_0.5_speedup_at_64_min": 1.5, "bound_efficiency_min": 0.85},
+    }
+
+
+BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode}
 
 
 def main(argv=None) -> int:
@@ -163,6 +323,18 @@ def main(argv=None) -> int:
     calib.add_argument("--batches", type=int, default=4)
     phase = sub.add_parser("phase", help="phase-aware masking overhead")
     _model_args(phase)
+    loss = sub.add_parser("loss", help="top-k + residual KL vs naive full-vocabulary KL: time, peak memory")
+    loss.add_argument("--tokens", type=int, default=2048, help="8192 needs ~30 GB for the naive KL on CPU")
+    loss.add_argument("--vocab", type=int, default=151936)
+    loss.add_argument("--top-k", type=int, default=64)
+    loss.add_argument("--chunk", type=int, default=256)
+    loss.add_argument("--time-tokens", type=int, default=1024, help="tokens for the timing part")
+    loss.add_argument("--repeats", type=int, default=3)
+    decode = sub.add_parser("decode", help="one batched decode step: full, masked, pruned 25/50/75%")
+    _model_args(decode, hidden=1024, layers=2, experts=64, top_k=8, moe_intermediate=512, vocab=2048, repeats=5)
+    decode.add_argument("--batches", default="1,8,32,64")
+    decode.add_argument("--ratios", default="0.25,0.5,0.75")
+    decode.add_argument("--prompt", type=int, default=256)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     result = BENCHES[args.name](args)

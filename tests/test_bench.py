@@ -8,13 +8,19 @@ import pytest
 
 from slimwise_train.bench import BENCHES, main
 
-TINY = ["--hidden", "32", "--layers", "2", "--experts", "8", "--top-k", "2", "--moe-intermediate", "16",
-        "--vocab", "64", "--batch", "2", "--seq", "16", "--repeats", "2"]
+MODEL = ["--hidden", "32", "--layers", "2", "--experts", "8", "--top-k", "2", "--moe-intermediate", "16",
+         "--vocab", "64", "--batch", "2", "--seq", "16", "--repeats", "2"]
+TINY = {
+    "calib": MODEL,
+    "phase": MODEL,
+    "loss": ["--tokens", "64", "--vocab", "500", "--top-k", "16", "--chunk", "16", "--time-tokens", "32", "--repeats", "2"],
+    "decode": [*MODEL, "--batches", "1,4", "--prompt", "8"],
+}
 
 
 @pytest.mark.parametrize("name", sorted(BENCHES))
 def test_bench_subcommand_prints_one_json_line(name, capsys):
-    assert main([name, *TINY]) == 0
+    assert main([name, *TINY[name]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1
     result = json.loads(lines[0])
