@@ -31,8 +31,20 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_path(path: str | None) -> str | None:
+    """Relative local paths are tried against the working directory, then the repository root (so shipped
+    assets resolve from anywhere); anything else (a hub id) is returned unchanged."""
+    if path is None or Path(path).is_absolute() or Path(path).exists():
+        return path
+    candidate = REPO_ROOT / path
+    return str(candidate) if candidate.exists() else path
+
+
 def load_tokenizer(model_cfg):
-    source = model_cfg.tokenizer or model_cfg.path
+    source = resolve_path(model_cfg.tokenizer or model_cfg.path)
     if source is None and model_cfg.tiny:
         source = str(SHIPPED_TOKENIZER)
     if source is None:
@@ -61,7 +73,7 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None):
         if not model_cfg.path:
             raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
         model = AutoModelForCausalLM.from_pretrained(
-            model_cfg.path, dtype=dtype, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
+            resolve_path(model_cfg.path), dtype=dtype, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
         )
     get_adapter(model)  # fail now, with the supported list, for a dense or unknown model
     if model_cfg.experts_implementation:

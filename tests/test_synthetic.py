@@ -297,7 +297,8 @@ def test_encode_example(tok):
 
 
 def test_length_distribution(tok):
-    """Answer lengths (tokens incl. EOS) span tens to a couple hundred tokens."""
+    """Answer lengths (tokens incl. EOS) span tens to ~150 tokens with the defaults (sized so a CPU teacher
+    learns them in an hour) and reach a few hundred with the longer-chain parameters."""
     stats = {}
     for fam in S.FAMILIES:
         lens = sorted(
@@ -308,6 +309,11 @@ def test_length_distribution(tok):
         stats[fam] = (lens[0], q(0.5), q(0.9), lens[-1])
         assert 8 <= lens[0] <= 40, (fam, stats[fam])
         assert lens[-1] <= 300, (fam, stats[fam])
-        assert lens[-1] >= 100, (fam, stats[fam])
+        assert lens[-1] >= 40, (fam, stats[fam])
     print("answer tokens min/median/p90/max:", stats)
-    assert max(s[3] for s in stats.values()) >= 180
+    assert max(s[3] for s in stats.values()) >= 100
+    long_code = [len(tok(e.answer, add_special_tokens=False)["input_ids"]) + 1
+                 for e in S.generate("code", 400, seed=7, max_steps=7, max_items=9)]
+    long_math = [len(tok(e.answer, add_special_tokens=False)["input_ids"]) + 1
+                 for e in S.generate("math", 400, seed=7, max_steps=12)]
+    assert max(long_code) >= 180 and max(long_math) >= 120

@@ -714,7 +714,7 @@ def _gen_tool(rng: random.Random, p: dict) -> tuple[str, str, dict]:
 DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "math": {
         "min_steps": 2,  # operations per chain
-        "max_steps": 12,
+        "max_steps": 8,
         "ops": ("+", "-", "*"),
         "op_weights": (0.45, 0.35, 0.2),  # for + - *
         "max_value": 999,  # running total stays in 0..max_value
@@ -722,15 +722,15 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     },
     "code": {
         "min_steps": 1,  # ops per program
-        "max_steps": 7,
+        "max_steps": 5,
         "min_items": 3,
-        "max_items": 9,
+        "max_items": 8,
         "max_item": 99,
         "str_fraction": 0.25,  # share of word-string programs
     },
     "tool": {
         "min_steps": 1,  # calls per request
-        "max_steps": 3,
+        "max_steps": 1,
         "min_offered": 2,  # tools listed in the schema
         "max_offered": 4,
         "tools": tuple(TOOLS),
