@@ -147,10 +147,12 @@ def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int) ->
         want = max(1, round(num_samples * float(src.get("weight", 1.0)) / total))
         rows = _load_rows(src.get("path") or src["id"], src.get("split", split), src.get("subset"))
         got = []
+        context = list(src.get("context_fields") or [])
         for row in rows:
             pair = row_to_pair(row, src.get("text_field"), family=src.get("family", src.get("id", "")))
             if pair is not None:
-                got.append(pair)
+                prefix = "".join(f"{name}: {row[name]}\n" for name in context if row.get(name))
+                got.append(TextPair(prefix + pair.prompt, pair.answer, pair.family) if prefix else pair)
             if len(got) >= want:
                 break
         pairs.extend(got)

@@ -1,0 +1,78 @@
+"""The data layer: recipes with hub ids (exercised on local rows of the same schema), local files, chat rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from slimwise_train.config import DataConfig
+from slimwise_train.data.loading import RECIPES_DIR, TextPair, encode_pair, load_pairs, load_recipe, row_to_pair
+from slimwise_train.models import SHIPPED_TOKENIZER
+
+
+def _cfg(**kw):
+    return OmegaConf.structured(DataConfig(**kw))
+
+
+def test_slimwise_mix_recipe_names_the_papers_sources():
+    recipe = load_recipe("slimwise_mix")
+    ids = {s["id"]: s for s in recipe["sources"]}
+    assert set(ids) == {"mlabonne/open-perfectblend", "Salesforce/APIGen-MT-5k"}
+    assert ids["Salesforce/APIGen-MT-5k"]["context_fields"] == ["system", "tools"]
+
+
+def test_recipe_loading_on_local_rows_in_the_hub_schema(tmp_path):
+    blend = tmp_path / "blend.jsonl"
+    blend.write_text("\n".join(json.dumps({"conversations": [
+        {"from": "human", "value": f"What is {i} squared?"}, {"from": "gpt", "value": f"{i * i}"}]}) for i in range(8)))
+    apigen = tmp_path / "apigen.jsonl"
+    apigen.write_text("\n".join(json.dumps({
+        "system": "You are an airline agent.", "tools": '[{"name": "book"}]',
+        "conversations": [{"from": "human", "value": "book me"}, {"from": "function_call", "value": '{"name": "book"}'},
+                          {"from": "observation", "value": "ok"}, {"from": "gpt", "value": f"Booked #{i}."}]})
+        for i in range(8)))
+    recipe = yaml.safe_load((RECIPES_DIR / "slimwise_mix.yaml").read_text())
+    recipe["sources"][0]["path"] = str(blend)
+    recipe["sources"][1]["path"] = str(apigen)
+    path = tmp_path / "local_mix.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    pairs = load_pairs(_cfg(source=str(path), num_samples=10, shuffle=False))
+    assert len(pairs) == 10
+    chat = [p for p in pairs if p.family == "chat"]
+    tool = [p for p in pairs if p.family == "tool"]
+    assert len(chat) == 8 and len(tool) == 2  # weights 0.8 / 0.2
+    assert chat[0] == TextPair("user: What is 0 squared?\n", "0", "chat")
+    assert tool[0].prompt.startswith("system: You are an airline agent.\ntools: [")
+    assert "assistant: {\"name\": \"book\"}" in tool[0].prompt and "tool: ok" in tool[0].prompt
+    assert tool[0].answer == "Booked #0."
+
+
+def test_row_formats_and_bad_rows():
+    assert row_to_pair({"prompt": "a", "answer": "b"}) == TextPair("a", "b")
+    assert row_to_pair({"text": "hello"}) == TextPair("", "hello")
+    assert row_to_pair({"messages": [{"role": "user", "content": "hi"}]}) is None  # no assistant turn
+    with pytest.raises(ValueError, match="cannot read a row with columns"):
+        row_to_pair({"foo": 1})
+
+
+def test_synthetic_recipe_and_chat_free_encoding():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_TOKENIZER)
+    pairs = load_pairs(_cfg(source="synthetic", num_samples=6))
+    assert len(pairs) == 6 and {p.family for p in pairs} == {"math", "code", "tool"}
+    ids, prompt_len = encode_pair(tok, pairs[0], chat_template=True, max_len=512)
+    assert ids[-1] == tok.eos_token_id and 0 < prompt_len < len(ids)
+    assert tok.decode(ids[:prompt_len]) == pairs[0].prompt
+
+
+def test_missing_and_malformed_sources(tmp_path):
+    with pytest.raises(FileNotFoundError, match="neither a recipe"):
+        load_pairs(_cfg(source="no_such_recipe"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match="cannot read it as json"):
+        load_pairs(_cfg(source=str(bad)))
