@@ -1,4 +1,4 @@
-"""Typed schemas for every Hydra config group (model, prune, distill, data, engine, logger) and app.
+"""Typed schemas for every Hydra config group (model, prune, distill, data, engine, logger, eval) and app.
 
 The YAML files under conf/ are validated against these dataclasses: a misspelt key or a wrong type fails at
 start-up with Hydra's error naming the key, never halfway through a run.
@@ -7,7 +7,7 @@ start-up with Hydra's error naming the key, never halfway through a run.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -56,46 +56,63 @@ class PruneConfig:
 
 @dataclass
 class DistillConfig:
+    # loss: ce_weight x CE + kl_weight x KL(teacher || student) over the teacher's top_k + one residual bucket
     ce_weight: float = 0.1
     kl_weight: float = 0.9
     top_k: int = 64
-    kl_loss: str = "topk_residual_kl"
-    chunk_size: int = 1024
+    kl_loss: str = "topk_residual_kl"  # topk_residual_kl | full_kl
+    chunk_size: int = 1024  # loss rows per chunk (bounded memory at a 152k vocabulary)
+    # student: what trains (all three kinds by default)
     shared_expert_intermediate_size: Optional[int] = None  # default: the routed expert size
     train_routers: bool = True
     train_norms: bool = True
+    norm_scope: str = "all"  # all: every RMSNorm with a weight (incl. q/k norms) | layer: decoder-layer norms + final
     train_shared_expert: bool = True
-    min_split: int = 1  # split point s ~ U[min_split, len - min_continuation]
-    min_continuation: int = 1
+    # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation]
+    min_split: int = 1
+    min_continuation: int = 2
+    split_after_prompt: bool = False
+    bucket_windows: int = 8  # length bucketing: sort windows of this many global batches by length
+    # optimisation
     lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio x lr at max_steps
     weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     warmup_steps: int = 10
     max_steps: int = 100
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # explicit for every engine; 0 disables clipping
     grad_accum: int = 1
-    max_nan_steps: int = 3
+    max_nan_steps: int = 3  # a non-finite loss skips the step; this many in a row aborts the run
+    # evaluation, logging, checkpoints, export
     eval_every: int = 50
-    eval_batches: int = 4
+    eval_batches: int = 4  # per rank
+    eval_split: str = "eval"  # split of data.source for the held-out loss; = data.split: held out of the training read
+    eval_samples: int = 64
     log_every: int = 10
     save_every: int = 50
     keep_checkpoints: int = 2
+    export: bool = True  # write export/ (HF checkpoint) and student_trainable.safetensors at the end
+    check_frozen: bool = True  # hash every frozen tensor at start and end (and on resume); costs one pass over them
 
 
 @dataclass
 class EngineConfig:
     name: str = "torch"  # torch (single process / DDP) | zero1 | zero2 | zero3 (DeepSpeed)
-    zero_stage: int = 0
-    offload_optimizer: bool = False
+    zero_stage: int = 0  # set by the engine group; must match name
+    offload_optimizer: bool = False  # zero2 / zero3: optimizer state and step on CPU
     precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     backend: str = "auto"  # process-group backend: auto -> nccl on GPU, gloo on CPU
 
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"  # none | wandb
+    name: str = "none"  # none (metrics.jsonl only) | wandb (metrics.jsonl + W&B)
     project: str = "slimwise"
     entity: Optional[str] = None
-    mode: str = "auto"  # auto: online with WANDB_API_KEY, else offline
+    run_name: Optional[str] = None
+    mode: str = "auto"  # auto: online with WANDB_API_KEY, else offline | online | offline | disabled
     tags: list = field(default_factory=list)
 
 
@@ -112,22 +129,53 @@ class PruneAppConfig:
 @dataclass
 class TrainAppConfig:
     model: ModelConfig = MISSING
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=DataConfig)  # training sequences
+    calibration: DataConfig = field(default_factory=DataConfig)  # expert scoring when prune.keep_set is null
     prune: PruneConfig = field(default_factory=PruneConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = MISSING
-    resume: str = "auto"  # auto: newest complete checkpoint in output_dir | never | <path>
+    resume: str = "auto"  # auto: newest complete checkpoint in output_dir | never | <checkpoint folder>
     seed: int = 0
     device: str = "auto"
-    extra: dict = field(default_factory=dict)
+    cpu_threads: Optional[int] = None  # torch intra-op threads when running on CPU; None: torch's default
+    progress: bool = False
+    extra: dict = field(default_factory=dict)  # test hooks: kill_after_step, kill_in_checkpoint_at_step, nan_at_steps
+
+
+@dataclass
+class EvalConfig:
+    keep_sets: List[str] = field(default_factory=list)  # keep_set.json paths; empty: only the full model runs
+    # full | conventional (pruned prefill+decode) | slimwise (full prefill, pruned decode) | reverse (pruned prefill,
+    # full decode) | slimwise_distill (full prefill, distilled student decode; needs `student`)
+    modes: List[str] = field(default_factory=lambda: ["full", "conventional", "slimwise", "reverse", "slimwise_distill"])
+    student: Optional[str] = None  # exported student checkpoint folder (from_pretrained) for slimwise_distill
+    families: List[str] = field(default_factory=lambda: ["math", "code", "tool"])
+    num_per_family: int = 200  # held-out problems per family
+    seed: Optional[int] = None  # held-out stream seed; null: the recipe's eval seed (the split training excludes)
+    recipe: Optional[str] = None  # synthetic recipe YAML (family params); null: data_recipes/synthetic.yaml
+    budget: Optional[int] = None  # max new tokens; null: budget_factor x longest reference answer, per family
+    budget_factor: float = 2.0
+    batch_size: int = 32
+    save_generations: bool = False  # also write generations.jsonl (every output text, per mode and keep set)
+
+
+@dataclass
+class EvalAppConfig:
+    model: ModelConfig = MISSING
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    output_dir: str = MISSING
+    device: str = "auto"
+    progress: bool = True
 
 
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="prune_app_schema", node=PruneAppConfig)
     cs.store(name="train_app_schema", node=TrainAppConfig)
+    cs.store(name="eval_app_schema", node=EvalAppConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="prune", name="prune_schema", node=PruneConfig)

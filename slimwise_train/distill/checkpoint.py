@@ -1,0 +1,163 @@
+"""Training checkpoints: written atomically, resumed from the newest complete one.
+
+    output_dir/checkpoints/step_000040/
+        trainable.safetensors   every trainable tensor, full (gathered), fp32
+        optimizer.pt, scheduler.pt     engine=torch (replicated state; rank 0 writes)
+        deepspeed/              engine=zero*: DeepSpeed's own layout (each rank writes its optimizer partition)
+        rng.pt                  every rank's torch / python / numpy (/ cuda) RNG state, gathered to rank 0
+        trainer_state.json      step, data position, counters, run fingerprint
+        complete                written last
+
+Atomicity: all ranks write into `checkpoints/.step_000040.tmp/` (rank 0 clears a stale one first) and rank 0
+renames it to `step_000040` only after every rank is done and the marker is written, so a process killed at any
+point leaves either the previous checkpoints or a `.tmp` folder that is ignored and cleaned up later. Only the
+newest `keep` complete checkpoints are kept. Assumes the ranks share the filesystem (one node, or a shared disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from slimwise_train.utils import distributed as du
+
+MARKER = "complete"
+PREFIX = "step_"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{PREFIX}{step:06d}"
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        if path.is_dir() and path.name.startswith(PREFIX) and (path / MARKER).is_file():
+            try:
+                found.append((int(path.name[len(PREFIX):]), path))
+            except ValueError:
+                continue
+    return sorted(found)
+
+
+def newest_checkpoint(root: Path) -> Path | None:
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def resolve_resume(resume: str, root: Path) -> Path | None:
+    """resume: auto -> newest complete checkpoint (or None); never -> None; else a checkpoint folder."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return newest_checkpoint(root)
+    path = Path(resume)
+    if not (path / MARKER).is_file():
+        raise FileNotFoundError(f"resume={resume}: not a complete checkpoint folder (no '{MARKER}' marker)")
+    return path
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def gather_objects(obj) -> list:
+    """`obj` from every rank, in rank order (a one-element list without a process group)."""
+    if not du.is_initialized():
+        return [obj]
+    out = [None] * du.world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def save_checkpoint(root: Path, step: int, engine, trainer_state: dict, keep: int, before_rename=None) -> Path:
+    """Collective: every rank calls it. Returns the final folder."""
+    final = root / step_dir_name(step)
+    tmp = root / f".{step_dir_name(step)}.tmp"
+    if du.is_rank0():
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    du.barrier()
+    trainable = engine.trainable_state_dict()  # collective under ZeRO-3
+    engine.save(tmp)  # collective under DeepSpeed
+    rng_states = gather_objects(rng_state())
+    du.barrier()
+    if du.is_rank0():
+        save_file({k: v.contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
+        torch.save(rng_states, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+        _fsync_tree(tmp)
+        if before_rename is not None:  # test hook: die with a finished but unpublished folder
+            before_rename(tmp)
+        (tmp / MARKER).write_text(f"step {step}\n")
+        if final.exists():
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _prune(root, keep)
+    du.barrier()
+    return final
+
+
+def _fsync_tree(path: Path) -> None:
+    for file in path.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _prune(root: Path, keep: int) -> None:
+    for _, path in complete_checkpoints(root)[: -keep] if keep > 0 else []:
+        shutil.rmtree(path, ignore_errors=True)
+    for path in root.iterdir():
+        # Leftovers of killed writers (never published).
+        if path.name.startswith(".") and path.name.endswith((".tmp", ".old")) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(path: Path, engine) -> dict:
+    """Restore trainable tensors, optimizer, scheduler and this rank's RNG; returns trainer_state."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    trainable = load_file(str(path / "trainable.safetensors"))
+    engine.load(path, trainable)
+    rng_states = torch.load(path / "rng.pt", map_location="cpu", weights_only=False)
+    if len(rng_states) == du.world_size():
+        set_rng_state(rng_states[du.rank()])
+    else:  # another world size: RNG streams cannot map one to one; data order and splits do not depend on them
+        set_rng_state(rng_states[0])
+    return state

@@ -1,0 +1,295 @@
+"""Engines: how the one DistillModel is wrapped, stepped and checkpointed. The ONLY module that imports deepspeed.
+
+    engine=torch   single process, or DistributedDataParallel when launched with several ranks (gloo on CPU)
+    engine=zero1|zero2|zero3   DeepSpeed ZeRO stage 1/2/3, optional optimizer offload to CPU
+
+All engines expose the same small surface to the trainer:
+
+    logits = engine.forward("teacher"|"student", input_ids=..., attention_mask=..., position_ids=..., past_key_values=...)
+    engine.backward(loss, last_micro_batch)    # loss already normalised by the GLOBAL token count
+    grad_norm = engine.step()                   # clip (explicit distill.grad_clip), optimizer, scheduler, zero grads
+    engine.skip_step()                          # drop this step's gradients (non-finite loss)
+    engine.trainable_state_dict()               # full (gathered) trainable tensors on CPU, every rank
+    engine.save(dir) / engine.load(dir)         # optimizer + scheduler (+ DeepSpeed's own files)
+
+Gradient scale: DDP and DeepSpeed average gradients over the W data-parallel ranks, while the loss is a sum over
+every rank's tokens divided by the global count; `backward` multiplies by W so the applied gradient is the gradient
+of that global loss (tests compare grad norms across engines and against one process).
+
+Precision: fp32 on CPU; on GPU the frozen model is bf16. engine=torch keeps fp32 master copies of the trainable
+tensors (student.py casts them to the activations' dtype); DeepSpeed runs bf16 with its own fp32 master weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from slimwise_train.utils import distributed as du
+
+ENGINES = ("torch", "zero1", "zero2", "zero3")
+ZERO_STAGE = {"torch": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float):
+    """Linear warmup over `warmup_steps`, then cosine decay to `min_lr_ratio` x peak at `max_steps`."""
+
+    def factor(step: int) -> float:
+        if warmup_steps > 0 and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        span = max(1, max_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def validate_engine_config(engine_cfg, distill_cfg) -> None:
+    if engine_cfg.name not in ENGINES:
+        raise ValueError(f"unknown engine {engine_cfg.name!r}; use one of {', '.join(ENGINES)} (engine=zero2)")
+    if int(engine_cfg.zero_stage) != ZERO_STAGE[engine_cfg.name]:
+        raise ValueError(
+            f"engine.name={engine_cfg.name} but engine.zero_stage={engine_cfg.zero_stage}; pick the stage with the "
+            f"engine group (engine=zero{engine_cfg.zero_stage}) instead of overriding zero_stage"
+        )
+    if engine_cfg.offload_optimizer and engine_cfg.name not in ("zero2", "zero3"):
+        raise ValueError(f"engine.offload_optimizer needs engine=zero2 or zero3, not {engine_cfg.name}")
+    if engine_cfg.precision not in ("auto", "fp32", "bf16"):
+        raise ValueError(f"unknown engine.precision {engine_cfg.precision!r}; use auto, fp32 or bf16")
+    if float(distill_cfg.grad_clip) < 0:
+        raise ValueError(f"distill.grad_clip must be >= 0 (0 disables clipping), got {distill_cfg.grad_clip}")
+
+
+def resolve_precision(engine_cfg, device: torch.device) -> str:
+    if engine_cfg.precision == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if engine_cfg.precision == "bf16" and device.type != "cuda":
+        raise ValueError("engine.precision=bf16 needs a GPU; on CPU the engines run fp32")
+    return engine_cfg.precision
+
+
+def build_engine(engine_cfg, distill_cfg, module, micro_batch_size: int, device: torch.device):
+    validate_engine_config(engine_cfg, distill_cfg)
+    if engine_cfg.name == "torch":
+        return TorchEngine(module, distill_cfg, device)
+    return DeepSpeedZeroEngine(module, engine_cfg, distill_cfg, micro_batch_size, device)
+
+
+def _optimizer_kwargs(distill_cfg) -> dict:
+    return {
+        "lr": float(distill_cfg.lr),
+        "betas": (float(distill_cfg.adam_beta1), float(distill_cfg.adam_beta2)),
+        "eps": float(distill_cfg.adam_eps),
+        "weight_decay": float(distill_cfg.weight_decay),
+    }
+
+
+# --------------------------------------------------------------------------- engine=torch
+
+
+class TorchEngine:
+    name = "torch"
+    supports_partial_skip = True  # gradients can be dropped after any micro-batch
+
+    def __init__(self, module, distill_cfg, device: torch.device):
+        self.module = module
+        self.world_size = du.world_size()
+        self.named_params = module.trainable_named_parameters()
+        self.params = [p for _, p in self.named_params]
+        self.grad_clip = float(distill_cfg.grad_clip)
+        if self.world_size > 1:
+            # Buffers are frozen and identical on every rank: no sync per forward. DDP broadcasts rank 0's parameters
+            # here, so all ranks start from the same trainable tensors.
+            self.wrapped = DistributedDataParallel(
+                module, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False
+            )
+        else:
+            self.wrapped = module
+        self.optimizer = torch.optim.AdamW(self.params, **_optimizer_kwargs(distill_cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lr_lambda(int(distill_cfg.warmup_steps), int(distill_cfg.max_steps), float(distill_cfg.min_lr_ratio)),
+        )
+
+    def forward(self, phase: str, **kwargs):
+        # The teacher needs no gradient bookkeeping, so it bypasses the DDP wrapper.
+        target = self.module if phase == "teacher" else self.wrapped
+        return target(phase=phase, **kwargs)
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        sync = last_micro_batch or self.world_size == 1
+        with contextlib.nullcontext() if sync else self.wrapped.no_sync():
+            (loss * self.world_size).backward()
+
+    def step(self) -> float:
+        # max_norm=inf scales by exactly 1.0 (bitwise no-op) and still returns the norm for logging.
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def skip_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.named_params}
+
+    def load_trainable_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, p in self.named_params:
+                p.copy_(state[name].to(p.device, p.dtype))
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params=None):
+        yield list(self.module.parameters()) if params is None else params
+
+    def save(self, directory: Path) -> None:
+        if du.is_rank0():  # optimizer state is replicated on every rank under DDP
+            torch.save(self.optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+
+    def load(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
+        self.load_trainable_state_dict(trainable)
+        self.optimizer.load_state_dict(torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True))
+        self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", map_location="cpu", weights_only=True))
+
+    def close(self) -> None:
+        self.wrapped = self.optimizer = self.scheduler = None
+        gc.collect()
+
+
+# --------------------------------------------------------------------------- engine=zero1|zero2|zero3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_single_process_group(backend: str) -> None:
+    """DeepSpeed needs a process group even for one process; create it once (destroyed by du.shutdown)."""
+    if du.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend=backend, rank=0, world_size=1)
+
+
+class DeepSpeedZeroEngine:
+    supports_partial_skip = False  # DeepSpeed counts micro-steps itself; see Trainer._abort_on_nan
+
+    def __init__(self, module, engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device):
+        # JIT-built ops (the shm comm op) go to a cache folder we control (gitignored .cache/).
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+        if device.type == "cpu":
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        backend = engine_cfg.backend if engine_cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        _init_single_process_group(backend)
+        deepspeed.init_distributed(dist_backend=backend)
+        self._deepspeed = deepspeed
+        self.name = engine_cfg.name
+        self.stage = ZERO_STAGE[engine_cfg.name]
+        self.world_size = du.world_size()
+        self.grad_accum = int(distill_cfg.grad_accum)
+        self.supports_partial_skip = self.grad_accum == 1
+        self.module = module
+        names = module.trainable_named_parameters()
+        self.trainable_names = [n for n, _ in names]
+        precision = resolve_precision(engine_cfg, device)
+        zero = {"stage": self.stage}
+        if engine_cfg.offload_optimizer:
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+        opt = _optimizer_kwargs(distill_cfg)
+        config = {
+            "train_micro_batch_size_per_gpu": int(micro_batch_size),
+            "gradient_accumulation_steps": self.grad_accum,
+            "optimizer": {"type": "AdamW", "params": {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
+                                                      "weight_decay": opt["weight_decay"], "torch_adam": True}},
+            # DeepSpeed 0.19 defaults gradient_clipping to 1.0; always set it from our config (0 = off).
+            "gradient_clipping": float(distill_cfg.grad_clip),
+            "zero_optimization": zero,
+            "bf16": {"enabled": precision == "bf16"},
+            "fp16": {"enabled": False},
+            "zero_allow_untested_optimizer": True,
+            "zero_force_ds_cpu_optimizer": False,  # keep torch AdamW with offload (no JIT cpu_adam build)
+            "steps_per_print": 2**31,
+            "wall_clock_breakdown": False,
+        }
+        schedule = lr_lambda(int(distill_cfg.warmup_steps), int(distill_cfg.max_steps), float(distill_cfg.min_lr_ratio))
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=module,
+            model_parameters=[p for _, p in names],
+            config=config,
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        )
+        self._named = dict(names)
+
+    def forward(self, phase: str, **kwargs):
+        return self.ds(phase=phase, **kwargs)
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        # Our loss is already divided by the global token count of the whole step: no division by the
+        # accumulation steps; x W undoes DeepSpeed's average over ranks.
+        self.ds.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.ds.step()  # DeepSpeed applies the update itself on its accumulation boundary (the last micro-batch)
+
+    def step(self) -> float:
+        norm = self.ds.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return norm
+
+    def skip_step(self) -> None:
+        # Only reached with grad_accum == 1 before any backward of this step: nothing was accumulated.
+        self.ds.zero_grad()
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params=None):
+        """Full parameters on every rank (ZeRO-3 partitions them; stages 1/2 hold them whole)."""
+        params = list(self.module.parameters()) if params is None else params
+        if self.stage == 3:
+            with self._deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                yield params
+        else:
+            yield params
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        params = [self._named[n] for n in self.trainable_names]
+        with self.gathered_parameters(params):
+            return {n: self._named[n].detach().to("cpu", torch.float32, copy=True) for n in self.trainable_names}
+
+    def save(self, directory: Path) -> None:
+        # Collective: every rank writes its own optimizer partition under directory/deepspeed/.
+        self.ds.save_checkpoint(str(directory), tag="deepspeed", save_latest=False, exclude_frozen_parameters=True)
+
+    def load(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
+        path, _ = self.ds.load_checkpoint(str(directory), tag="deepspeed", load_module_strict=False,
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise ValueError(f"{directory}: DeepSpeed found no checkpoint under tag 'deepspeed'")
+
+    def close(self) -> None:
+        if hasattr(self.ds, "destroy"):
+            self.ds.destroy()
+        self.ds = self.optimizer = self.scheduler = None
+        gc.collect()

@@ -1,0 +1,227 @@
+"""Export of the distilled decoder.
+
+Two artefacts, written atomically by rank 0 at the end of training:
+
+* `student_trainable.safetensors`: only the trained tensors (router deltas, norm deltas, shared experts) plus the
+  keep set and the student spec in its metadata. `load_student(teacher, path)` rebuilds the student on any copy
+  of the teacher; this is the small file to ship when the teacher is already deployed (co-located serving).
+* `export/`: a Hugging Face checkpoint of the decode model alone: the kept experts (physically pruned), the routers
+  and norms with the trained deltas folded in (W + dW, w + dw), and the shared experts. It expects the teacher's
+  KV cache for the prompt (`handoff.handoff_generate(teacher, exported, ...)`), exactly as trained.
+
+Architecture of the exported checkpoint:
+  * without a shared expert (distill.train_shared_expert=false) it is the stock class (`AutoModelForCausalLM`, no
+    project code), like `pruning.export_pruned`;
+  * with one, no stock class has an ungated shared expert in the right place for every family, so it is a
+    registered architecture: model_type `slimwise_<base model_type>`, class `Slimwise<StockClass>`, which is the
+    stock class plus one `SharedExpert` per MoE block (`<block>.slimwise_shared_expert`, added to the routed
+    experts' output). Loading needs `import slimwise_train.distill.export` (it registers the classes with
+    AutoConfig / AutoModelForCausalLM); then `AutoModelForCausalLM.from_pretrained(path)` works in a fresh process.
+    Expert tensors are stored in the stock on-disk layout (the stock conversion mapping is registered too).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from slimwise_train.adapters import get_adapter
+from slimwise_train.adapters import _BY_MODEL_TYPE as ADAPTER_BY_MODEL_TYPE
+from slimwise_train.distill.student import (
+    NORM_DELTA,
+    ROUTER_DELTA,
+    SHARED_EXPERT,
+    DistillModel,
+    SharedExpert,
+    StudentSpec,
+    text_config,
+)
+from slimwise_train.keepset import KeepSet
+from slimwise_train.pruning import check_exportable, prune_experts_
+from slimwise_train.utils.atomic import atomic_dir, atomic_path
+
+TRAINABLE_FORMAT = "slimwise-student-trainable/1"
+PREFIX = "slimwise_"
+
+
+# --------------------------------------------------------------------------- registered architecture
+
+
+def _make_classes(base_model_type: str):
+    base_config_cls = CONFIG_MAPPING[base_model_type]
+    base_model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[base_config_cls]
+    model_type = PREFIX + base_model_type
+    config_cls = type(f"Slimwise{base_config_cls.__name__}", (base_config_cls,), {"model_type": model_type,
+                                                                                   "__module__": __name__})
+
+    def __init__(self, config):
+        base_model_cls.__init__(self, config)
+        adapter = ADAPTER_BY_MODEL_TYPE[base_model_type]()
+        size = getattr(config, "slimwise_shared_expert_intermediate_size", None)
+        if size:
+            act = config.slimwise_shared_expert_act
+            for moe in adapter.moe_layers(self):
+                shared = SharedExpert(config.hidden_size, int(size), act, dtype=None)
+                moe.block.add_module(SHARED_EXPERT, shared)
+                moe.experts.register_forward_hook(_add_shared_expert(shared))
+
+    model_cls = type(f"Slimwise{base_model_cls.__name__}", (base_model_cls,), {
+        "__init__": __init__, "config_class": config_cls, "__module__": __name__,
+    })
+    return config_cls, model_cls
+
+
+def _add_shared_expert(shared):
+    def hook(module, args, output):
+        return output + shared(args[0]).view_as(output)
+
+    return hook
+
+
+def _register_all() -> dict[str, tuple[type, type]]:
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+
+    classes = {}
+    for base_model_type in ADAPTER_BY_MODEL_TYPE:
+        if base_model_type not in CONFIG_MAPPING or CONFIG_MAPPING[base_model_type] not in MODEL_FOR_CAUSAL_LM_MAPPING:
+            continue  # e.g. multimodal wrappers without a causal-LM class
+        config_cls, model_cls = _make_classes(base_model_type)
+        globals()[config_cls.__name__] = config_cls
+        globals()[model_cls.__name__] = model_cls
+        AutoConfig.register(config_cls.model_type, config_cls, exist_ok=True)
+        AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)
+        mapping = get_checkpoint_conversion_mapping(base_model_type)
+        if mapping is not None:
+            register_checkpoint_conversion_mapping(config_cls.model_type, mapping, overwrite=True)
+        classes[base_model_type] = (config_cls, model_cls)
+    return classes
+
+
+REGISTERED = _register_all()
+
+
+# --------------------------------------------------------------------------- trainable-only file
+
+
+def save_trainable(path: str | os.PathLike, state: dict[str, torch.Tensor], keep_set: KeepSet, spec: StudentSpec,
+                   model_type: str, extra: dict | None = None) -> Path:
+    meta = {
+        "format": TRAINABLE_FORMAT,
+        "model_type": model_type,
+        "keep_set": json.dumps(keep_set.to_dict()),
+        "spec": json.dumps(spec.__dict__),
+        "extra": json.dumps(extra or {}),
+    }
+    with atomic_path(path) as tmp:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
+    return Path(path)
+
+
+def load_student(teacher: torch.nn.Module, path: str | os.PathLike) -> DistillModel:
+    """The distilled student rebuilt on `teacher` (a fresh copy of the model it was trained from)."""
+    with safe_open(str(path), "pt") as handle:
+        meta = handle.metadata() or {}
+        if meta.get("format") != TRAINABLE_FORMAT:
+            raise ValueError(f"{path} is not a slimwise student file (format {meta.get('format')!r})")
+        state = {k: handle.get_tensor(k) for k in handle.keys()}
+    keep_set = KeepSet.from_dict(json.loads(meta["keep_set"]))
+    spec = StudentSpec(**json.loads(meta["spec"]))
+    student = DistillModel(teacher, keep_set, spec)
+    names = {n for n, _ in student.trainable_named_parameters()}
+    if names != set(state):
+        missing, unexpected = sorted(names - set(state)), sorted(set(state) - names)
+        raise ValueError(f"{path} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, param in student.trainable_named_parameters():
+            param.copy_(state[name])
+    return student
+
+
+# --------------------------------------------------------------------------- HF checkpoint of the decoder
+
+
+def _strip_hooks(model: torch.nn.Module, handle_ids: set[int]) -> None:
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+            for key in [k for k in hooks if k in handle_ids]:
+                del hooks[key]
+
+
+def folded_decoder(student: DistillModel) -> torch.nn.Module:
+    """A copy of the student as one plain model: deltas folded into the routers and norms (W + dW, w + dw),
+    shared experts kept as children, removed experts sliced out. The student is left untouched."""
+    model = copy.deepcopy(student.model)
+    _strip_hooks(model, {h.id for h in student._handles})
+    with torch.no_grad():
+        for module in list(model.modules()):
+            delta = module._modules.pop(ROUTER_DELTA, None)
+            if delta is not None:
+                module.weight.add_(delta.weight.to(module.weight.dtype))
+                if delta.bias is not None:
+                    module.bias.add_(delta.bias.to(module.bias.dtype))
+            delta = module._modules.pop(NORM_DELTA, None)
+            if delta is not None:
+                module.weight.add_(delta.weight.to(module.weight.dtype))
+    adapter = get_adapter(model)
+    check_exportable(adapter, model, student.keep_set)
+    pad_to = None if student.keep_set.is_uniform else max(student.keep_set.num_kept)
+    prune_experts_(model, student.keep_set, pad_to=pad_to)
+    for moe in adapter.moe_layers(model):  # the copy's shared experts run always (as in the registered class)
+        shared = getattr(moe.block, SHARED_EXPERT, None)
+        if shared is not None:
+            moe.experts.register_forward_hook(_add_shared_expert(shared))
+    return model
+
+
+def export_student(student: DistillModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = True) -> Path:
+    """Write the distilled decoder as an HF checkpoint (see module docstring); returns the folder."""
+    model = folded_decoder(student)
+    config = text_config(model)
+    base_model_type = config.model_type
+    shared = student.spec.train_shared_expert
+    if shared:
+        config_cls, model_cls = REGISTERED[base_model_type]
+        shared_expert = getattr(student.moe_layers[0].block, SHARED_EXPERT)
+        act, size = shared_expert.act_name, shared_expert.down_proj.in_features
+        new_config = config_cls.from_dict({
+            **config.to_dict(),
+            "model_type": config_cls.model_type,
+            "architectures": [model_cls.__name__],
+            "slimwise_base_model_type": base_model_type,
+            "slimwise_shared_expert_intermediate_size": int(size),
+            "slimwise_shared_expert_act": act,
+        })
+        dtype = next(model.parameters()).dtype
+        out_model = model_cls(new_config).to(dtype)
+        missing, unexpected = out_model.load_state_dict(model.state_dict(), strict=False)
+        # Non-persistent buffers (rotary tables) are rebuilt by the constructor; everything else must match.
+        assert not unexpected and not [k for k in missing if not k.endswith("inv_freq")], (missing, unexpected)
+        out_model.eval()
+    else:
+        out_model = model
+    info = {
+        "format": "slimwise-distilled-decoder/1",
+        "architecture": "registered" if shared else "stock",
+        "base_model_type": base_model_type,
+        "load": ("import slimwise_train.distill.export; AutoModelForCausalLM.from_pretrained(path)" if shared
+                 else "AutoModelForCausalLM.from_pretrained(path)"),
+        "prefill": "the unpruned teacher prefills the prompt; this model decodes on its KV cache",
+        "num_kept": list(student.keep_set.num_kept),
+    }
+    output_dir = Path(output_dir)
+    with atomic_dir(output_dir, overwrite=overwrite) as tmp:
+        out_model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        student.keep_set.save(tmp / "slimwise_keep_set.json")
+        (tmp / "slimwise_export.json").write_text(json.dumps(info, indent=2) + "\n")
+    return output_dir

@@ -1,0 +1,122 @@
+"""Metric sinks, rank 0 only: logger=none (metrics.jsonl in the run folder) and logger=wandb (the same file, plus a
+W&B run; offline when there is no WANDB_API_KEY, so it also works without network). Other ranks get a no-op sink.
+
+Named metrics.py, not logging.py, so it does not shadow the standard library inside the package.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from slimwise_train.utils import distributed as du
+
+log = logging.getLogger("slimwise.train")
+LOGGERS = ("none", "wandb")
+
+
+class NoopSink:
+    def log(self, step: int, metrics: dict, histograms: dict | None = None) -> None:
+        pass
+
+    def summary(self, values: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink(NoopSink):
+    """One JSON object per logged step in output_dir/metrics.jsonl (appended, so a resumed run continues it)."""
+
+    def __init__(self, output_dir: Path):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+
+    def log(self, step, metrics, histograms=None):
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        for name, values in (histograms or {}).items():
+            record[name] = _histogram_summary(values)
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self):
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class WandbSink(JsonlSink):
+    def __init__(self, output_dir: Path, logger_cfg, config: dict):
+        super().__init__(output_dir)
+        import wandb
+
+        mode = logger_cfg.mode
+        if mode == "auto":
+            mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=logger_cfg.project,
+            entity=logger_cfg.entity,
+            name=logger_cfg.run_name,
+            tags=list(logger_cfg.tags or []),
+            dir=str(output_dir),
+            mode=mode,
+            config=config,
+            resume="allow",
+            id=_run_id(output_dir),
+        )
+        log.info("wandb: mode=%s dir=%s", mode, output_dir)
+
+    def log(self, step, metrics, histograms=None):
+        super().log(step, metrics, histograms)
+        payload = {k: _plain(v) for k, v in metrics.items()}
+        for name, values in (histograms or {}).items():
+            if len(values):
+                payload[name] = self._wandb.Histogram(list(values), num_bins=20)
+        self.run.log(payload, step=step)
+
+    def summary(self, values):
+        for key, value in values.items():
+            self.run.summary[key] = _plain(value)
+
+    def close(self):
+        super().close()
+        if self.run is not None:
+            self.run.finish()
+            self.run = None
+
+
+def build_sink(logger_cfg, output_dir: Path, config: dict):
+    if logger_cfg.name not in LOGGERS:
+        raise ValueError(f"unknown logger {logger_cfg.name!r}; use one of {', '.join(LOGGERS)} (logger=wandb)")
+    if not du.is_rank0():
+        return NoopSink()
+    if logger_cfg.name == "wandb":
+        return WandbSink(output_dir, logger_cfg, config)
+    return JsonlSink(output_dir)
+
+
+def _run_id(output_dir: Path) -> str:
+    # Stable per run folder, so a resumed run appends to the same W&B run.
+    import hashlib
+
+    return hashlib.sha1(str(Path(output_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+def _histogram_summary(values) -> dict:
+    values = sorted(float(v) for v in values)
+    if not values:
+        return {"count": 0}
+    bins = [0] * 10
+    for v in values:
+        bins[min(9, max(0, int(v * 10)))] += 1
+    return {"count": len(values), "min": values[0], "max": values[-1], "mean": sum(values) / len(values), "bins10": bins}

@@ -1,0 +1,300 @@
+"""Teacher and student in ONE module over one copy of the frozen weights.
+
+    student = DistillModel(model, keep_set, StudentSpec(...))   # adds small trainable children, freezes the rest
+    logits = student(ids, mask, positions, cache, phase="teacher")   # stock model: all experts, original routers/norms
+    logits = student(ids, mask, positions, cache, phase="student")   # kept experts + trained routers/norms/shared expert
+
+The stock model stays intact. Three kinds of zero-initialised trainable child modules are attached, and forward
+hooks call them (as modules, so ZeRO-3 gathers their parameters; see engine.py) only in the student phase:
+
+* router delta   `DeltaLinear(H, E)` under the router (Gemma 4: under `router.proj`, whose input is the normalised,
+                 scaled hidden state). Student logits = stock logits + dW h (+ db for GPT-OSS, whose router has a
+                 bias), i.e. a trainable copy W + dW of the router that starts at W. The removed experts are then
+                 excluded with `adapter.reroute`, exactly as `PhaseMasking` does in its decode phase.
+* norm delta     `NormDelta(H)` under every RMSNorm that has a weight. RMSNorm output is linear in its weight, for
+                 the plain (x_hat * w) and the zero-centred (x_hat * (1 + w): Qwen3-Next, Qwen3.5) forms alike, so
+                 student out = stock out + x_hat * dw is the norm with weight w + dw. Norms before attention change
+                 the K/V of the continuation tokens only; the prefix cache stays the teacher's (the SlimWise design).
+* shared expert  `SharedExpert` (gated MLP in the family's activation, down projection zero) under the MoE block;
+                 its output is added to the routed experts' output (hook on `experts`, input [T, H] -> [T, H]), so it
+                 sits inside Gemma 4's post_feedforward_layernorm_2 like the routed experts. GPT-OSS experts are a
+                 clamped SwiGLU with biases; its shared expert is a plain SwiGLU (documented deviation).
+
+At init every delta is exactly zero and x + 0 == x in floating point, so the untrained student's logits equal the
+masked model's bit for bit (tests/test_student.py checks all families). In the teacher phase every hook returns
+immediately.
+
+Shapes: T tokens (batch*seq flattened), H hidden, E routed experts, I shared-expert intermediate size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from slimwise_train.adapters import MoEAdapter, MoELayer, get_adapter
+from slimwise_train.keepset import KeepSet
+
+PHASES = ("teacher", "student")
+# Attribute names of the added children; export.py and the trainable-tensor file rely on them.
+ROUTER_DELTA = "slimwise_router_delta"
+NORM_DELTA = "slimwise_norm_delta"
+SHARED_EXPERT = "slimwise_shared_expert"
+NORM_SCOPES = ("all", "layer")
+
+
+@dataclass
+class StudentSpec:
+    """Which parameter kinds train. `norm_scope`: all = every RMSNorm with a weight (incl. attention q/k norms),
+    layer = only norms that are direct children of a decoder layer, plus the final norm."""
+
+    train_routers: bool = True
+    train_norms: bool = True
+    norm_scope: str = "all"
+    train_shared_expert: bool = True
+    shared_expert_intermediate_size: int | None = None  # None: the routed expert size
+    init_std: float = 0.02  # gate/up projections of the new shared expert
+    seed: int = 0  # the shared expert init is drawn from its own generator, identical on every rank
+
+    @classmethod
+    def from_config(cls, distill_cfg, seed: int = 0) -> "StudentSpec":
+        return cls(
+            train_routers=bool(distill_cfg.train_routers),
+            train_norms=bool(distill_cfg.train_norms),
+            norm_scope=str(distill_cfg.norm_scope),
+            train_shared_expert=bool(distill_cfg.train_shared_expert),
+            shared_expert_intermediate_size=distill_cfg.shared_expert_intermediate_size,
+            seed=seed,
+        )
+
+
+# --------------------------------------------------------------------------- trainable children
+
+
+class DeltaLinear(nn.Module):
+    """dW h (+ db): the trainable offset of a router's logits, zero at init. Computes in fp32 when the router
+    does (DeepSeek-V3), else in the activations' dtype; the parameters keep their own dtype (fp32 master)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, h_TH: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        h = h_TH.to(out_dtype)
+        bias = None if self.bias is None else self.bias.to(out_dtype)
+        return F.linear(h, self.weight.to(out_dtype), bias)
+
+
+class NormDelta(nn.Module):
+    """x_hat * dw with x_hat = x / rms(x) in fp32: the change of an RMSNorm's output when its weight moves by dw."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        x = x.float()
+        x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x_hat * self.weight.float()).to(out_dtype)
+
+
+class SharedExpert(nn.Module):
+    """down(act(gate(x)) * up(x)), bias-free, down projection zero at init. Parameters keep their dtype; the
+    matmuls run in the input's dtype (bf16 activations with fp32 master weights under engine=torch)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype, device=device)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype, device=device)
+        self.act_name = act
+        self.act_fn = ACT2FN[act]
+
+    def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
+        dtype = x_TH.dtype
+        gate = F.linear(x_TH, self.gate_proj.weight.to(dtype))
+        up = F.linear(x_TH, self.up_proj.weight.to(dtype))
+        return F.linear(self.act_fn(gate) * up, self.down_proj.weight.to(dtype))
+
+
+# --------------------------------------------------------------------------- model facts
+
+
+def text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def routed_expert_size(model) -> int:
+    config = text_config(model)
+    return int(getattr(config, "moe_intermediate_size", None) or config.intermediate_size)
+
+
+def activation_name(model) -> str:
+    config = text_config(model)
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+
+
+def norm_eps(module: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(module, name):
+            return float(getattr(module, name))
+    raise ValueError(f"{type(module).__name__}: no eps attribute (variance_epsilon or eps)")
+
+
+def find_norms(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Module]]:
+    """RMSNorm modules with a weight (name order). Gated norms (linear attention: they take a gate input) and
+    weightless norms (Gemma 4's router/v norms) are skipped."""
+    if scope not in NORM_SCOPES:
+        raise ValueError(f"unknown distill.norm_scope {scope!r}; use one of {', '.join(NORM_SCOPES)}")
+    adapter = get_adapter(model)
+    layers = adapter.decoder_layers(model)
+    layer_ids = {id(layer) for layer in layers}
+    final = getattr(model.get_decoder(), "norm", None) if hasattr(model, "get_decoder") else None
+    found = []
+    for name, module in model.named_modules():
+        if not type(module).__name__.endswith("RMSNorm"):
+            continue
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+            continue
+        if scope == "layer":
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            if id(parent) not in layer_ids and module is not final:
+                continue
+        found.append((name, module))
+    return found
+
+
+# --------------------------------------------------------------------------- the one module
+
+
+class DistillModel(nn.Module):
+    """The stock model (frozen) plus the student's trainable children; `phase` selects teacher or student."""
+
+    def __init__(self, model: nn.Module, keep_set: KeepSet, spec: StudentSpec | None = None,
+                 adapter: MoEAdapter | None = None):
+        super().__init__()
+        spec = spec or StudentSpec()
+        self.adapter = adapter or get_adapter(model)
+        keep_set.check_model(model, self.adapter)
+        if not (spec.train_routers or spec.train_norms or spec.train_shared_expert):
+            raise ValueError("nothing to train: distill.train_routers, train_norms and train_shared_expert are all false")
+        self.model = model
+        self.keep_set = keep_set
+        self.spec = spec
+        self.phase = "teacher"
+        self._handles: list = []
+        for param in model.parameters():
+            param.requires_grad_(False)
+        # Trainable tensors are created in fp32 (master weights under engine=torch; a DeepSpeed bf16 engine casts the
+        # module and keeps its own fp32 copies). The hooks cast them to the activations' dtype.
+        dtype, device = torch.float32, next(model.parameters()).device
+        self.moe_layers = self.adapter.moe_layers(model)
+        self.removed = {m.layer_index: keep_set.layer(m.layer_index).removed_mask(device) for m in self.moe_layers}
+        generator = torch.Generator(device="cpu").manual_seed(spec.seed)
+        hidden = text_config(model).hidden_size
+        for moe in self.moe_layers:
+            target = self.adapter.mask_hook_target(moe)
+            if spec.train_routers:
+                has_bias = getattr(target, "bias", None) is not None  # GPT-OSS: logits include the router bias
+                target.add_module(ROUTER_DELTA, DeltaLinear(hidden, moe.num_experts, has_bias, dtype, device))
+            # prepend=True: transformers' output_router_logits capture hooks must see the student's logits.
+            self._handles.append(target.register_forward_hook(self._router_hook(moe), prepend=True))
+            if spec.train_shared_expert:
+                size = spec.shared_expert_intermediate_size or routed_expert_size(model)
+                shared = SharedExpert(hidden, int(size), activation_name(model), dtype, device)
+                with torch.no_grad():
+                    for proj in (shared.gate_proj, shared.up_proj):
+                        proj.weight.copy_(torch.randn(proj.weight.shape, generator=generator) * spec.init_std)
+                    shared.down_proj.weight.zero_()
+                moe.block.add_module(SHARED_EXPERT, shared)
+                self._handles.append(moe.experts.register_forward_hook(self._experts_hook(moe.block)))
+        self.norm_names: list[str] = []
+        if spec.train_norms:
+            for name, norm in find_norms(model, spec.norm_scope):
+                norm.add_module(NORM_DELTA, NormDelta(norm.weight.shape[0], norm_eps(norm), dtype, device))
+                self._handles.append(norm.register_forward_hook(self._norm_hook))
+                self.norm_names.append(name)
+
+    # ------------------------------------------------------------------ hooks (student phase only)
+    def _router_hook(self, moe: MoELayer):
+        adapter, removed = self.adapter, self.removed[moe.layer_index]
+
+        def hook(module, args, output):
+            if self.phase != "student":
+                return None
+            delta = getattr(module, ROUTER_DELTA, None)
+            if delta is not None:
+                logits = output[0] if isinstance(output, tuple) else output
+                h = args[0].reshape(-1, args[0].shape[-1])
+                logits = logits + delta(h, logits.dtype)
+                output = (logits, *output[1:]) if isinstance(output, tuple) else logits
+            return adapter.reroute(moe, output, removed)
+
+        return hook
+
+    def _experts_hook(self, block: nn.Module):
+        def hook(module, args, output):
+            if self.phase != "student":
+                return None
+            return output + getattr(block, SHARED_EXPERT)(args[0]).view_as(output)
+
+        return hook
+
+    def _norm_hook(self, module, args, output):
+        if self.phase != "student":
+            return None
+        return output + getattr(module, NORM_DELTA)(args[0], output.dtype)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, phase: str = "student",
+                use_cache: bool = True, logits_to_keep: int = 0):
+        """logits [B, L, V] of one phase (the last `logits_to_keep` positions if > 0); `past_key_values` is extended
+        in place (HF semantics)."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r}; use one of {PHASES}")
+        previous, self.phase = self.phase, phase
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, use_cache=use_cache, logits_to_keep=logits_to_keep)
+        finally:
+            self.phase = previous
+        return out.logits
+
+    # ------------------------------------------------------------------ parameters
+    def trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach() for n, p in self.trainable_named_parameters()}
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Counts by kind, plus the frozen total; share = trainable / all parameters of the one module."""
+        counts = {"router": 0, "norm": 0, "shared_expert": 0}
+        frozen = 0
+        for name, param in self.named_parameters():
+            n = param.ds_numel if hasattr(param, "ds_numel") else param.numel()  # ZeRO-3 partitions in place
+            if not param.requires_grad:
+                frozen += n
+            elif ROUTER_DELTA in name:
+                counts["router"] += n
+            elif NORM_DELTA in name:
+                counts["norm"] += n
+            elif SHARED_EXPERT in name:
+                counts["shared_expert"] += n
+            else:
+                raise AssertionError(f"unexpected trainable parameter {name}")
+        trainable = sum(counts.values())
+        return {**counts, "trainable": trainable, "frozen": frozen, "total": trainable + frozen}
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

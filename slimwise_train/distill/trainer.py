@@ -1,0 +1,528 @@
+"""The distillation trainer: one readable class, `setup` / `train_step` / `train` / `close`.
+
+One optimizer step, top to bottom (`train_step`):
+  1. the step's global batch (same on every rank) with one split point per sequence (a function of the seeds and
+     the epoch only, see batches.DataPlan);
+  2. sequences sorted by continuation length, dealt to ranks, cut into grad_accum micro-batches;
+  3. the global number of loss tokens (all ranks, all micro-batches) by one all-reduce: the loss denominator;
+  4. per micro-batch: teacher prefill of the left-padded prefixes (no grad) -> cache; teacher continuation on a
+     copy of the cache -> target logits; student continuation on the cache -> logits; loss; backward;
+  5. a non-finite loss on any rank skips the step on every rank (counted; max_nan_steps in a row abort);
+  6. clip (explicit), optimizer and scheduler step; metrics; checkpoint every save_every steps.
+
+Only rank 0 writes files (DeepSpeed's per-rank optimizer partitions are the one exception, see checkpoint.py).
+Shapes: B rows, P prefix width, L continuation width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from transformers import DynamicCache
+
+from slimwise_train.adapters import get_adapter
+from slimwise_train.config import to_container
+from slimwise_train.distill import batches as B
+from slimwise_train.distill.checkpoint import gather_objects, load_checkpoint, resolve_resume, save_checkpoint
+from slimwise_train.distill.engine import build_engine, validate_engine_config
+from slimwise_train.distill.losses import KL_LOSSES, distill_loss
+from slimwise_train.distill.metrics import LOGGERS, build_sink
+from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
+from slimwise_train.handoff import copy_cache, make_cache_autograd_safe, positions_from_mask
+from slimwise_train.keepset import KeepSet
+from slimwise_train.utils import distributed as du
+from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
+
+log = logging.getLogger("slimwise.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive non-finite losses; the last complete checkpoint is untouched."""
+
+
+def validate_train_config(cfg) -> None:
+    d = cfg.distill
+    if d.kl_loss not in KL_LOSSES:
+        raise ValueError(f"unknown distill.kl_loss {d.kl_loss!r}; use one of {', '.join(KL_LOSSES)}")
+    for key in ("max_steps", "top_k", "chunk_size", "grad_accum", "log_every", "save_every", "eval_batches",
+                "max_nan_steps", "keep_checkpoints"):
+        if int(d[key]) < 1:
+            raise ValueError(f"distill.{key} must be >= 1, got {d[key]}")
+    if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
+        raise ValueError(f"distill.ce_weight and kl_weight must be >= 0 and not both 0, got {d.ce_weight}, {d.kl_weight}")
+    if int(cfg.data.batch_size) < 1:
+        raise ValueError(f"data.batch_size must be >= 1, got {cfg.data.batch_size}")
+    if cfg.logger.name not in LOGGERS:
+        raise ValueError(f"unknown logger {cfg.logger.name!r}; use one of {', '.join(LOGGERS)}")
+    validate_engine_config(cfg.engine, d)
+    B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for name, t in tensors:
+        h.update(name.encode())
+        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class Trainer:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.output_dir = Path(cfg.output_dir)
+        self.step = 0
+        self.nan_streak = 0
+        self.nan_skipped = 0
+        self.tokens_seen = 0
+        self.engine = None
+        self.sink = None
+
+    # ================================================================== setup
+    def setup(self) -> "Trainer":
+        from slimwise_train.models import load_model, resolve_device
+
+        cfg = self.cfg
+        validate_train_config(cfg)
+        du.init_if_launched(cfg.engine.backend)
+        self.rank, self.world_size = du.rank(), du.world_size()
+        self.device = resolve_device(cfg.device)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", du.local_rank())
+        elif cfg.cpu_threads:
+            torch.set_num_threads(int(cfg.cpu_threads))
+        torch.manual_seed(cfg.seed)
+        self.t_setup = time.perf_counter()
+
+        # ---- model, keep set, the one student/teacher module
+        model, self.tokenizer = load_model(cfg.model, self.device)
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.keep_set = self._resolve_keep_set(model)
+        self.student = DistillModel(model, self.keep_set, StudentSpec.from_config(cfg.distill, seed=cfg.seed))
+        self.counts = self.student.parameter_counts()
+        # Before the engine exists nothing is partitioned; the same digest at the end proves the teacher unchanged.
+        self.frozen_digest = self._frozen_digest() if cfg.distill.check_frozen else None
+        log.info(
+            "trainable parameters: %d of %d (%.3f%%): routers %d, norms %d (%d modules), shared experts %d",
+            self.counts["trainable"], self.counts["total"], 100 * self.counts["trainable"] / self.counts["total"],
+            self.counts["router"], self.counts["norm"], len(self.student.norm_names), self.counts["shared_expert"],
+        )
+
+        # ---- data
+        self.rule = B.SplitRule(int(cfg.distill.min_split), int(cfg.distill.min_continuation),
+                                bool(cfg.distill.split_after_prompt))
+        train_pairs, eval_pairs = self._load_pairs()
+        self.train_seqs, self.num_too_short = self._encode(train_pairs, cfg.data.split)
+        self.eval_seqs, self.num_eval_too_short = self._encode(eval_pairs, cfg.distill.eval_split)
+        if len(self.eval_seqs) < self.world_size:
+            raise ValueError(f"{len(self.eval_seqs)} held-out sequences for {self.world_size} ranks; raise "
+                             "distill.eval_samples")
+        self.micro_batch = int(cfg.data.batch_size)
+        self.grad_accum = int(cfg.distill.grad_accum)
+        self.global_batch = self.world_size * self.grad_accum * self.micro_batch
+        self.plan = B.DataPlan(self.train_seqs, self.rule, self.global_batch, data_seed=int(cfg.data.seed),
+                               split_seed=int(cfg.seed), bucket_windows=int(cfg.distill.bucket_windows),
+                               shuffle=bool(cfg.data.shuffle))
+        self.data_fingerprint = hashlib.sha256(
+            json.dumps([ids for ids, _ in self.train_seqs]).encode()).hexdigest()[:16]
+        log.info("data: %d training sequences (%d too short to split, skipped), %d eval; global batch %d = %d rank(s) "
+                 "x %d accumulation x %d", len(self.train_seqs), self.num_too_short, len(self.eval_seqs),
+                 self.global_batch, self.world_size, self.grad_accum, self.micro_batch)
+
+        # ---- engine (wraps the module; DeepSpeed partitions it here under ZeRO-3)
+        self.engine = build_engine(cfg.engine, cfg.distill, self.student, self.micro_batch, self.device)
+
+        # ---- resume, run folder, logging (rank 0 writes)
+        self.checkpoint_root = self.output_dir / "checkpoints"
+        resume_from = resolve_resume(str(cfg.resume), self.checkpoint_root)
+        if resume_from is not None:
+            self._resume(resume_from)
+        resolved = to_container(cfg)
+        if du.is_rank0():
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(self.output_dir / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+            self.keep_set.save(self.output_dir / "keep_set.json")
+        self.sink = build_sink(cfg.logger, self.output_dir, resolved)
+        self.sink.summary({
+            "trainable_params": self.counts["trainable"], "total_params": self.counts["total"],
+            "trainable_share": self.counts["trainable"] / self.counts["total"],
+            "num_too_short": self.num_too_short,
+        })
+        du.barrier()
+        self.setup_seconds = time.perf_counter() - self.t_setup
+        return self
+
+    def _load_pairs(self):
+        """(train pairs, held-out pairs). When distill.eval_split is the training split, the held-out rows are cut
+        off the end of one shuffled read, so they never appear in training."""
+        from slimwise_train.data.loading import load_pairs
+
+        data_cfg, n_train, n_eval = self.cfg.data, int(self.cfg.data.num_samples), int(self.cfg.distill.eval_samples)
+        if self.cfg.distill.eval_split != data_cfg.split:
+            return load_pairs(data_cfg), load_pairs(data_cfg, split=self.cfg.distill.eval_split, num_samples=n_eval)
+        pairs = load_pairs(data_cfg, num_samples=n_train + n_eval)
+        if len(pairs) <= n_eval:
+            raise ValueError(f"data source {data_cfg.source!r} has {len(pairs)} rows, not enough to hold out "
+                             f"distill.eval_samples={n_eval} for evaluation")
+        return pairs[:-n_eval], pairs[-n_eval:]
+
+    def _encode(self, pairs, split: str):
+        """Tokenised (ids, prompt_len) that can be split, and the count of the ones too short to split."""
+        from slimwise_train.data.loading import encode_all
+
+        encoded = encode_all(self.tokenizer, pairs, self.cfg.data)
+        top = max(max(ids) for ids, _ in encoded)
+        if top >= self.vocab_size:
+            raise ValueError(
+                f"data split {split!r} has token id {top} but the model's vocabulary has {self.vocab_size} entries; "
+                "the tokenizer does not belong to this model (model.tokenizer)"
+            )
+        kept, too_short = B.filter_splittable(encoded, self.rule)
+        if not kept:
+            raise ValueError(
+                f"all {len(encoded)} sequences of split {split!r} are too short to split (need at least "
+                f"min_split + min_continuation = {self.rule.min_split + self.rule.min_continuation} tokens"
+                f"{' after the prompt' if self.rule.after_prompt else ''}); raise data.seq_len or lower the minimums"
+            )
+        return kept, too_short
+
+    def _resolve_keep_set(self, model) -> KeepSet:
+        """prune.keep_set (a keep_set.json), or scored now with the prune library (what makes a ratio sweep work)."""
+        from slimwise_train.prune import compute_or_load_statistics, validate_prune_config
+        from slimwise_train.scoring import get_criterion, model_fingerprint, select_keep
+
+        cfg = self.cfg
+        adapter = get_adapter(model)
+        if cfg.prune.keep_set:
+            from slimwise_train.models import model_identity
+
+            keep_set = KeepSet.load(cfg.prune.keep_set)
+            keep_set.check_model(model, adapter)  # structure: family, MoE layers, expert counts, top-k
+            scored_on = keep_set.meta.get("model")
+            if scored_on and scored_on != model_identity(cfg.model):
+                log.warning("keep set %s was scored on %s; this run distils %s (same structure, other weights?)",
+                            cfg.prune.keep_set, scored_on, model_identity(cfg.model))
+            return keep_set
+        validate_prune_config(cfg.prune)
+        layers = adapter.moe_layers(model)
+        groups = getattr(text_config(model), "n_group", 1) if adapter.family == "deepseek_v3" else 1
+        select_keep(torch.zeros(len(layers), layers[0].num_experts), cfg.prune.ratio, layers[0].top_k,
+                    cfg.prune.scope, groups)  # fail on a bad ratio before calibrating
+        fingerprint = model_fingerprint(model, adapter)
+        prune_cfg = OmegaConf.create({"data": to_container(cfg.calibration), "prune": to_container(cfg.prune),
+                                      "progress": bool(cfg.progress)})
+        stats, _, source = compute_or_load_statistics(model, self.tokenizer, prune_cfg, fingerprint)
+        du.barrier()  # rank 0 has written the statistics cache: the next sweep job sees it on every rank
+        kept = select_keep(get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio, stats.top_k, cfg.prune.scope,
+                           groups)
+        meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
+                "statistics": source}
+        log.info("keep set: %s by %s at ratio %s (statistics: %s)", [len(k) for k in kept], cfg.prune.criterion,
+                 cfg.prune.ratio, source)
+        return KeepSet.from_kept(layers, kept, model_type=model.config.model_type, meta=meta)
+
+    def _frozen_digest(self) -> str:
+        """sha256 over every frozen tensor's bytes, one parameter at a time (ZeRO-3 gathers each in turn)."""
+        h = hashlib.sha256()
+        for name, param in self.student.named_parameters():
+            if param.requires_grad:
+                continue
+            with self.engine.gathered_parameters([param]) if self.engine is not None else contextlib.nullcontext():
+                h.update(name.encode())
+                h.update(param.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "data_position": self.plan.position(self.step),
+            "global_batch": self.global_batch,
+            "data_fingerprint": self.data_fingerprint,
+            "num_too_short": self.num_too_short,
+            "nan_streak": self.nan_streak,
+            "nan_skipped": self.nan_skipped,
+            "tokens_seen": self.tokens_seen,
+            "world_size": self.world_size,
+            "engine": self.cfg.engine.name,
+            "frozen_digest": self.frozen_digest,
+        }
+
+    def _resume(self, path: Path) -> None:
+        state = json.loads((path / "trainer_state.json").read_text())
+        expected = [("global_batch", self.global_batch), ("data_fingerprint", self.data_fingerprint),
+                    ("engine", self.cfg.engine.name)]
+        if self.frozen_digest is not None and state.get("frozen_digest") is not None:
+            expected.append(("frozen_digest", self.frozen_digest))  # another teacher (or other weights)
+        mismatch = [(k, state.get(k), v) for k, v in expected if state.get(k) != v]
+        if mismatch:
+            raise ValueError(
+                f"cannot resume from {path}: it was written with " + ", ".join(f"{k}={a} (now {b})" for k, a, b in mismatch)
+                + "; use resume=never or another output folder"
+            )
+        state = load_checkpoint(path, self.engine)
+        self.step = int(state["step"])
+        self.nan_streak, self.nan_skipped = int(state["nan_streak"]), int(state["nan_skipped"])
+        self.tokens_seen = int(state["tokens_seen"])
+        log.info("resumed from %s at step %d", path, self.step)
+
+    # ================================================================== one step
+    def _micro_batches(self, step: int) -> tuple[list[B.ContinuationBatch], list[float]]:
+        indices, splits = self.plan.step_batch(step)
+        seqs = [self.train_seqs[i] for i in indices]
+        plan = B.plan_micro_batches(seqs, splits, self.world_size, self.grad_accum)[self.rank]
+        pad = self.tokenizer.pad_token_id
+        micro = [B.continuation_batch([seqs[i] for i in mb], [splits[i] for i in mb], pad) for mb in plan]
+        fractions = [s / len(ids) for (ids, _), s in zip(seqs, splits)]  # whole global step: known on every rank
+        return micro, fractions
+
+    def _forward_pair(self, batch: B.ContinuationBatch):
+        """Teacher target logits and student logits [B, L, V] for one micro-batch (student keeps its graph)."""
+        P, L = batch.prefix_ids.shape[1], batch.cont_ids.shape[1]
+        cache = DynamicCache(config=text_config(self.student.model))
+        cont_positions = positions_from_mask(batch.full_mask, P, L)
+        with torch.no_grad():
+            # Only the cache is needed from the prefill: skip the [B, P, V] logits (600 MB a row at 2k x 152k bf16).
+            self.engine.forward("teacher", input_ids=batch.prefix_ids, attention_mask=batch.prefix_mask,
+                                position_ids=positions_from_mask(batch.prefix_mask), past_key_values=cache,
+                                logits_to_keep=1)
+            # The forward extends the cache in place: the teacher continues on a copy, the student on the original.
+            teacher_logits = self.engine.forward("teacher", input_ids=batch.cont_ids, attention_mask=batch.full_mask,
+                                                 position_ids=cont_positions, past_key_values=copy_cache(cache))
+        make_cache_autograd_safe(cache)  # hybrid linear-attention caches update state in place otherwise
+        student_logits = self.engine.forward("student", input_ids=batch.cont_ids, attention_mask=batch.full_mask,
+                                             position_ids=cont_positions, past_key_values=cache)
+        return teacher_logits, student_logits
+
+    def _loss(self, teacher_logits, student_logits, labels, num_tokens_global):
+        d = self.cfg.distill
+        return distill_loss(student_logits, teacher_logits, labels, top_k=int(d.top_k), ce_weight=float(d.ce_weight),
+                            kl_weight=float(d.kl_weight), chunk_size=int(d.chunk_size),
+                            num_tokens_global=num_tokens_global, kl_loss=d.kl_loss)
+
+    def _all_reduce(self, values: list[float], op=None) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
+        if du.is_initialized() and self.world_size > 1:
+            torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
+        return t.tolist()
+
+    def train_step(self, step: int) -> dict:
+        t0 = time.perf_counter()
+        micro, fractions = self._micro_batches(step)
+        local_tokens = sum(b.num_loss_tokens for b in micro)
+        num_tokens_global = int(self._all_reduce([local_tokens])[0])
+        nan_steps = set(self.cfg.extra.get("nan_at_steps", []) or [])
+        sums = dict.fromkeys(("ce_sum", "kl_sum", "res_t", "res_s"), 0.0)
+        stats = dict.fromkeys(("cont_tokens", "cont_slots", "prefix_tokens", "prefix_slots", "loss_tokens"), 0)
+        finite = True
+        for index, batch in enumerate(micro):
+            batch.to(self.device)
+            teacher_logits, student_logits = self._forward_pair(batch)
+            out = self._loss(teacher_logits, student_logits, batch.labels, num_tokens_global)
+            loss = out["loss"]
+            if step + 1 in nan_steps:  # test hook (extra.nan_at_steps): a loss that went non-finite
+                loss = loss * float("nan")
+            # Every rank must agree before anyone calls backward (DDP / DeepSpeed collectives inside it).
+            finite = self._all_reduce([float(torch.isfinite(loss.detach()))], torch.distributed.ReduceOp.MIN)[0] == 1.0
+            if not finite:
+                break
+            self.engine.backward(loss, last_micro_batch=index == len(micro) - 1)
+            for key, name in (("ce_sum", "ce_sum"), ("kl_sum", "kl_sum")):
+                sums[key] += float(out[name])
+            sums["res_t"] += float(out["residual_mass_teacher"]) * max(num_tokens_global, 1)
+            sums["res_s"] += float(out["residual_mass_student"]) * max(num_tokens_global, 1)
+            for key, value in batch.stats().items():
+                stats[key] += value
+            del teacher_logits, student_logits, out, loss
+
+        if not finite:
+            return self._skip_nan_step(step, index)
+        grad_norm = self.engine.step()
+        self.nan_streak = 0
+        # ---- metrics: global sums over ranks, one all-reduce
+        keys = list(sums) + list(stats)
+        totals = dict(zip(keys, self._all_reduce([sums[k] for k in sums] + [stats[k] for k in stats])))
+        seconds = time.perf_counter() - t0
+        n = max(num_tokens_global, 1)
+        d = self.cfg.distill
+        ce, kl = totals["ce_sum"] / n, totals["kl_sum"] / n
+        self.tokens_seen += int(totals["cont_tokens"])
+        return {
+            "loss": d.ce_weight * ce + d.kl_weight * kl,
+            "ce": ce,
+            "kl": kl,
+            "residual_mass_teacher": totals["res_t"] / n,
+            "residual_mass_student": totals["res_s"] / n,
+            "grad_norm": grad_norm,
+            "lr": self.engine.lr(),
+            "loss_tokens": num_tokens_global,
+            # Student compute is spent on continuation slots only; the padding share is the waste.
+            "student_pad_share": 1.0 - totals["cont_tokens"] / max(totals["cont_slots"], 1),
+            "teacher_prefix_pad_share": 1.0 - totals["prefix_tokens"] / max(totals["prefix_slots"], 1),
+            "cont_tokens_per_s": totals["cont_tokens"] / seconds,
+            "tokens_per_s": (totals["cont_tokens"] + totals["prefix_tokens"]) / seconds,
+            "step_seconds": seconds,
+            "nan_skipped": self.nan_skipped,
+            "_split_fractions": fractions,
+        }
+
+    def _skip_nan_step(self, step: int, micro_index: int) -> dict:
+        if not self.engine.supports_partial_skip:
+            raise NonFiniteLossError(
+                f"non-finite loss at step {step + 1} (micro-batch {micro_index}) with engine={self.cfg.engine.name} "
+                f"and distill.grad_accum={self.grad_accum}: DeepSpeed cannot drop a partly accumulated step, so the "
+                "run stops here; the last complete checkpoint is untouched (lower distill.lr or use grad_accum=1)"
+            )
+        self.engine.skip_step()
+        self.nan_streak += 1
+        self.nan_skipped += 1
+        log.warning("step %d: non-finite loss, step skipped (%d in a row, limit %d)", step + 1, self.nan_streak,
+                    self.cfg.distill.max_nan_steps)
+        if self.nan_streak >= int(self.cfg.distill.max_nan_steps):
+            raise NonFiniteLossError(
+                f"{self.nan_streak} consecutive steps with a non-finite loss (distill.max_nan_steps="
+                f"{self.cfg.distill.max_nan_steps}); stopping. The last complete checkpoint is untouched; lower "
+                "distill.lr or distill.grad_clip, or check the data"
+            )
+        return {"nan_skipped": self.nan_skipped, "skipped": 1}
+
+    # ================================================================== evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss with fixed split points (stream 1 of the split seed), up to eval_batches per rank.
+
+        Every rank gets the same number of sequences (ZeRO-3 forwards are collective), dealt round-robin."""
+        splits = B.sample_splits(self.eval_seqs, self.rule, B.split_generator(int(self.cfg.seed), 0, stream=1))
+        per_rank = min(int(self.cfg.distill.eval_batches) * self.micro_batch, len(self.eval_seqs) // self.world_size)
+        mine = list(range(self.rank, len(self.eval_seqs), self.world_size))[:per_rank]
+        sums = [0.0, 0.0, 0.0]  # ce_sum, kl_sum, tokens
+        for start in range(0, len(mine), self.micro_batch):
+            chunk = mine[start : start + self.micro_batch]
+            batch = B.continuation_batch([self.eval_seqs[i] for i in chunk], [splits[i] for i in chunk],
+                                         self.tokenizer.pad_token_id).to(self.device)
+            teacher_logits, student_logits = self._forward_pair(batch)
+            out = self._loss(teacher_logits, student_logits, batch.labels, None)
+            sums[0] += float(out["ce_sum"])
+            sums[1] += float(out["kl_sum"])
+            sums[2] += float(out["num_tokens"])
+        ce_sum, kl_sum, tokens = self._all_reduce(sums)
+        n = max(tokens, 1.0)
+        d = self.cfg.distill
+        return {"eval/loss": (d.ce_weight * ce_sum + d.kl_weight * kl_sum) / n, "eval/ce": ce_sum / n,
+                "eval/kl": kl_sum / n, "eval/tokens": tokens}
+
+    # ================================================================== loop
+    def train(self) -> dict:
+        cfg, d = self.cfg, self.cfg.distill
+        max_steps = int(d.max_steps)
+        extra = cfg.extra or {}
+        self.sink.log(self.step, {"trainable_params": self.counts["trainable"],
+                                  "trainable_share": self.counts["trainable"] / self.counts["total"],
+                                  "num_too_short": self.num_too_short})
+        if self.step == 0:
+            self.sink.log(0, self.evaluate())  # the untrained student = the masked model
+        t_train = time.perf_counter()
+        first_step = self.step
+        history: list[dict] = []
+        window_fractions: list[float] = []
+        while self.step < max_steps:
+            metrics = self.train_step(self.step)
+            self.step += 1
+            window_fractions += metrics.pop("_split_fractions", [])
+            history.append({"step": self.step, **{k: v for k, v in metrics.items() if k in ("loss", "kl", "ce")}})
+            if self.step % int(d.log_every) == 0 or self.step == max_steps or self.step == first_step + 1:
+                self.sink.log(self.step, metrics, {"split_fraction": window_fractions})
+                window_fractions = []
+                if "loss" in metrics:
+                    log.info("step %d/%d loss %.5f (ce %.4f kl %.5f) grad %.3g lr %.3g pad %.2f %.0f tok/s", self.step,
+                             max_steps, metrics["loss"], metrics["ce"], metrics["kl"], metrics["grad_norm"],
+                             metrics["lr"], metrics["student_pad_share"], metrics["cont_tokens_per_s"])
+            if self.step % int(d.eval_every) == 0 or self.step == max_steps:
+                self.sink.log(self.step, self.evaluate())
+            if self.step % int(d.save_every) == 0 or self.step == max_steps:
+                kill_in_save = extra.get("kill_in_checkpoint_at_step")
+                hook = _kill_self if kill_in_save == self.step else None
+                save_checkpoint(self.checkpoint_root, self.step, self.engine, self._trainer_state(),
+                                int(d.keep_checkpoints), before_rename=hook if du.is_rank0() else None)
+            if extra.get("kill_after_step") == self.step:  # test hook: die like a preempted job
+                _kill_self()
+        train_seconds = time.perf_counter() - t_train
+        return self._finish(history, train_seconds, first_step)
+
+    def _finish(self, history, train_seconds: float, first_step: int) -> dict:
+        trainable = self.engine.trainable_state_dict()
+        frozen_now = self._frozen_digest() if self.frozen_digest is not None else None
+        summary = {
+            "steps": self.step,
+            "steps_this_run": self.step - first_step,
+            "train_seconds": train_seconds,
+            "setup_seconds": self.setup_seconds,
+            "engine": self.cfg.engine.name,
+            "world_size": self.world_size,
+            "trainable_params": self.counts["trainable"],
+            "total_params": self.counts["total"],
+            "trainable_share": self.counts["trainable"] / self.counts["total"],
+            "num_too_short": self.num_too_short,
+            "nan_skipped": self.nan_skipped,
+            "tokens_seen": self.tokens_seen,
+            "frozen_unchanged": None if frozen_now is None else frozen_now == self.frozen_digest,
+            "trainable_digest": _digest(sorted(trainable.items())),
+            # Every rank's own copy of the trainable tensors (gathered under ZeRO-3): they must all agree.
+            "rank_trainable_digests": gather_objects(_digest(sorted(trainable.items()))),
+            "keep_set": list(self.keep_set.num_kept),
+            "history": history,
+        }
+        if du.is_rank0() and self.cfg.distill.export:
+            self._export(trainable)
+        if du.is_rank0():
+            write_json_atomic(self.output_dir / "summary.json", summary)
+            self.sink.summary({k: v for k, v in summary.items() if k != "history"})
+        du.barrier()
+        return summary
+
+    def _export(self, trainable: dict) -> None:
+        from slimwise_train.distill.export import export_student, load_student, save_trainable
+
+        spec = self.student.spec
+        path = save_trainable(self.output_dir / "student_trainable.safetensors", trainable, self.keep_set, spec,
+                              self.student.model.config.model_type, extra={"steps": self.step})
+        if self.cfg.engine.name == "zero3":
+            # The live module is partitioned: rebuild the student on a fresh teacher from the small file.
+            from slimwise_train.models import load_model
+
+            teacher, _ = load_model(self.cfg.model, "cpu", tokenizer=self.tokenizer)
+            student = load_student(teacher, path)
+        else:
+            student = self.student
+        export_student(student, self.output_dir / "export", tokenizer=self.tokenizer, overwrite=True)
+        log.info("exported the distilled decoder to %s", self.output_dir / "export")
+
+    def close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+        if self.engine is not None:
+            self.engine.close()
+        if hasattr(self, "student"):
+            self.student.remove_hooks()
+        self.engine = self.sink = None
+
+
+def _kill_self(*_args) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_train(cfg) -> dict:
+    """The whole training job; returns the summary. Importable for tests and notebooks."""
+    trainer = Trainer(cfg)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.close()

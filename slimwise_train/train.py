@@ -1,0 +1,55 @@
+"""`python -m slimwise_train` / `torchrun --nproc_per_node N -m slimwise_train`: distil the pruned decoder.
+
+    python -m slimwise_train                                   # tiny Qwen3-MoE, engine=torch, < 1 min on CPU
+    torchrun --nproc_per_node 2 -m slimwise_train engine=zero2
+    torchrun --nproc_per_node 2 -m slimwise_train --multirun prune.ratio=0.25,0.5
+    python -m slimwise_train experiment=tiny_zero3_wandb
+
+The config is conf/train.yaml (schema: slimwise_train.config.TrainAppConfig); the trainer is
+slimwise_train.distill.trainer. The process group is created once per process (multirun jobs share it) and
+destroyed by __main__ after the last job; output folders are fixed per job so every rank agrees on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from slimwise_train.config import register_configs
+from slimwise_train.prune import CONF_DIR, USER_ERRORS
+from slimwise_train.utils import distributed as du
+
+log = logging.getLogger("slimwise.train")
+
+register_configs()
+
+
+def _quiet_other_ranks() -> None:
+    # Hydra configures logging per job on every rank: keep one log file and one console stream (rank 0's).
+    if du.is_rank0():
+        return
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler):
+            root.removeHandler(handler)
+    root.setLevel(logging.WARNING)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from slimwise_train.distill.trainer import NonFiniteLossError, run_train
+
+    du.init_if_launched(cfg.engine.backend)
+    _quiet_other_ranks()
+    try:
+        run_train(cfg)
+    except USER_ERRORS as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"slimwise_train: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except NonFiniteLossError as exc:
+        print(f"slimwise_train: error: {exc}", file=sys.stderr)
+        raise SystemExit(3) from None

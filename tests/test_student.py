@@ -1,0 +1,229 @@
+"""The one-module student/teacher (slimwise_train.distill.student) on every family, and its export.
+
+Exactness claims use torch.equal (bit for bit). Comparisons between the student (stock output + delta) and a
+model with the deltas folded into its weights (W + dW) allow 1e-4: same math, different rounding (measured
+1.6e-6 .. 4.4e-6 on these tiny fp32 models).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimwise_train.adapters import get_adapter
+from slimwise_train.distill.export import export_student, folded_decoder, load_student, save_trainable
+from slimwise_train.distill.student import (
+    NORM_DELTA,
+    ROUTER_DELTA,
+    SHARED_EXPERT,
+    DistillModel,
+    StudentSpec,
+    find_norms,
+    routed_expert_size,
+)
+from slimwise_train.handoff import continue_on_cache, prefill
+from slimwise_train.keepset import KeepSet
+from slimwise_train.masking import PhaseMasking
+from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_VOCAB, tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+FOLD_TOL = 1e-4
+KEPT = [[0, 2, 5, 7], [1, 3, 4, 6]]
+families = pytest.mark.parametrize("model_type", SUPPORTED_TINY)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models: intra-op threads only add OpenMP contention (100x slower on a loaded 2-core machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _ids(batch=2, length=12, seed=0):
+    return torch.randint(3, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _keep(model, kept=KEPT):
+    return KeepSet.from_kept(get_adapter(model).moe_layers(model), kept, model_type=model.config.model_type)
+
+
+def _perturb(student, scale=0.1, seed=1):
+    """Move every trainable tensor away from its init, as training would."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in student.trainable_named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@families
+def test_untrained_student_equals_masked_model_exactly(model_type):
+    model = tiny_model(model_type)
+    keep = _keep(model)
+    reference = copy.deepcopy(model)
+    masking = PhaseMasking(reference, keep)
+    ids = _ids()
+    prefix, cont = ids[:, :7], ids[:, 7:]
+    with torch.no_grad():
+        full = reference(ids).logits
+        with masking.phase("decode"):
+            masked = reference(ids).logits
+        # Handoff form: full-pool prefix cache, masked continuation on it.
+        _, cache = prefill(reference, prefix)
+        masked_cont, _ = continue_on_cache(reference, cache, cont, phase="decode")
+
+    student = DistillModel(model, keep)
+    with torch.no_grad():
+        assert torch.equal(student(ids, phase="student", use_cache=False), masked)
+        assert torch.equal(student(ids, phase="teacher", use_cache=False), full)
+        _, cache = prefill(model, prefix)  # no phase masking on `model`: the teacher phase is the default
+        student_cont = student(cont, past_key_values=cache, phase="student",
+                               position_ids=torch.arange(7, 12).expand(2, -1))
+    assert torch.equal(student_cont, masked_cont)
+    assert not torch.equal(masked, full)  # the keep set matters, so the equalities above are not vacuous
+
+
+@families
+def test_teacher_phase_ignores_trained_tensors_and_student_equals_folded_model(model_type):
+    model = tiny_model(model_type)
+    original = copy.deepcopy(model)
+    student = DistillModel(model, _keep(model))
+    _perturb(student)
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(student(ids, phase="teacher", use_cache=False), original(ids).logits)
+        trained = student(ids, phase="student", use_cache=False)
+        folded = folded_decoder(student)(ids).logits  # W + dW, w + dw, experts sliced, shared expert kept
+        masking = PhaseMasking(original, _keep(original))
+        with masking.phase("decode"):
+            untrained = original(ids).logits
+    assert (trained - folded).abs().max() <= FOLD_TOL
+    assert (trained - untrained).abs().max() > 1e-2  # the perturbation is visible: the check has teeth
+
+
+@families
+def test_only_routers_norms_and_shared_experts_train(model_type):
+    model = tiny_model(model_type)
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    student = DistillModel(model, _keep(model))
+    names = [n for n, _ in student.trainable_named_parameters()]
+    kinds = {ROUTER_DELTA: 0, NORM_DELTA: 0, SHARED_EXPERT: 0}
+    for name in names:
+        hits = [k for k in kinds if k in name]
+        assert len(hits) == 1, name
+        kinds[hits[0]] += 1
+    moes = get_adapter(model).moe_layers(model)
+    assert kinds[ROUTER_DELTA] == len(moes) * (2 if model_type == "gpt_oss" else 1)  # GPT-OSS: weight + bias
+    assert kinds[SHARED_EXPERT] == 3 * len(moes)
+    assert kinds[NORM_DELTA] == len(find_norms(model, "all")) > 0
+    for moe in moes:  # default shared-expert size = routed expert size; down projection starts at zero
+        shared = getattr(moe.block, SHARED_EXPERT)
+        assert shared.down_proj.weight.shape[1] == routed_expert_size(model)
+        assert not shared.down_proj.weight.any()
+    counts = student.parameter_counts()
+    assert counts["trainable"] == sum(p.numel() for _, p in student.trainable_named_parameters())
+    assert counts["frozen"] == sum(t.numel() for t in frozen_before.values())
+
+    # Gradients reach every trainable tensor kind and nothing else.
+    ids = _ids()
+    student(ids, phase="student", use_cache=False).float().pow(2).mean().backward()
+    for name, p in student.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        else:
+            assert p.grad is None, name
+    assert any(p.grad.abs().sum() > 0 for n, p in student.trainable_named_parameters() if SHARED_EXPERT in n)
+
+
+def test_student_spec_switches_and_shared_expert_size():
+    model = tiny_model("qwen3_moe")
+    student = DistillModel(model, _keep(model), StudentSpec(train_norms=False, shared_expert_intermediate_size=8,
+                                                           norm_scope="layer"))
+    names = [n for n, _ in student.trainable_named_parameters()]
+    assert not any(NORM_DELTA in n for n in names)
+    assert all(getattr(m.block, SHARED_EXPERT).gate_proj.weight.shape[0] == 8 for m in student.moe_layers)
+    layer_norms = [n for n, _ in find_norms(tiny_model("qwen3_moe"), "layer")]
+    assert layer_norms and not any("q_norm" in n or "k_norm" in n for n in layer_norms)
+    with pytest.raises(ValueError, match="nothing to train"):
+        DistillModel(tiny_model("qwen3_moe"), _keep(model),
+                     StudentSpec(train_routers=False, train_norms=False, train_shared_expert=False))
+
+
+def test_keep_set_of_another_model_is_rejected():
+    other = tiny_model("mixtral")
+    with pytest.raises(ValueError, match="keep set was made for model_type 'mixtral'"):
+        DistillModel(tiny_model("qwen3_moe"), _keep(other))
+
+
+FRESH = r"""
+import sys, torch
+import slimwise_train.distill.export  # registers the Slimwise* architectures
+from transformers import AutoModelForCausalLM
+from slimwise_train.handoff import continue_on_cache, prefill
+root = sys.argv[1]
+for name in sys.argv[2:]:
+    teacher = AutoModelForCausalLM.from_pretrained(f"{root}/{name}/teacher").eval()
+    decoder = AutoModelForCausalLM.from_pretrained(f"{root}/{name}/export").eval()
+    ids = torch.load(f"{root}/{name}/ids.pt")
+    with torch.no_grad():
+        _, cache = prefill(teacher, ids[:, :7])
+        logits, _ = continue_on_cache(decoder, cache, ids[:, 7:])
+    torch.save({"logits": logits, "class": type(decoder).__name__}, f"{root}/{name}/fresh.pt")
+"""
+
+
+def test_exported_decoder_reloads_in_a_fresh_process(tmp_path):
+    """Export (folded routers/norms, pruned experts, shared expert), reload with no state from this process, and
+    reproduce the student's continuation on the teacher's cache. Three families cover the layouts: plain
+    attention, sliding window + MoE on the decoder layer (Gemma 4), hybrid linear attention (Qwen3-Next)."""
+    expected = {}
+    names = ["qwen3_moe", "gemma4_text", "qwen3_next"]
+    for name in names:
+        model = tiny_model(name)
+        model.save_pretrained(tmp_path / name / "teacher")
+        student = DistillModel(model, _keep(model))
+        _perturb(student)
+        ids = _ids(seed=3)
+        torch.save(ids, tmp_path / name / "ids.pt")
+        with torch.no_grad():
+            _, cache = prefill(model, ids[:, :7])
+            expected[name] = student(ids[:, 7:], past_key_values=cache, position_ids=torch.arange(7, 12).expand(2, -1),
+                                     phase="student")
+        export_student(student, tmp_path / name / "export")
+        # The small file rebuilds the same student on a fresh teacher copy.
+        path = save_trainable(tmp_path / name / "student.safetensors", student.trainable_state_dict(), student.keep_set,
+                              student.spec, name)
+        rebuilt = load_student(tiny_model(name), path)
+        with torch.no_grad():
+            assert torch.equal(rebuilt(ids, phase="student", use_cache=False), student(ids, phase="student", use_cache=False))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path), *names], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in names:
+        fresh = torch.load(tmp_path / name / "fresh.pt")
+        assert fresh["class"].startswith("Slimwise")
+        assert (fresh["logits"] - expected[name]).abs().max() <= FOLD_TOL, name
+
+
+def test_without_a_shared_expert_the_export_is_the_stock_class(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("qwen3_moe")
+    student = DistillModel(model, _keep(model), StudentSpec(train_shared_expert=False))
+    _perturb(student)
+    export_student(student, tmp_path / "export")
+    config = (tmp_path / "export" / "config.json").read_text()
+    assert '"model_type": "qwen3_moe"' in config and "Slimwise" not in config
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert type(reloaded).__name__ == "Qwen3MoeForCausalLM" and reloaded.config.num_experts == 4
+    ids = _ids()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - student(ids, phase="student", use_cache=False)).abs().max() <= FOLD_TOL
