@@ -69,11 +69,13 @@ def positions_from_mask(attention_mask: torch.Tensor, past_length: int = 0, new_
     return positions[:, past_length:] if new_length is None else positions[:, past_length : past_length + new_length]
 
 
-def prefill(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-    """Full-pool forward over the prompt [B, S]. Returns (logits [B, S, V], cache)."""
+def prefill(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, phase: str = "prefill"
+):
+    """Forward over the prompt [B, S] in `phase` (default the full pool). Returns (logits [B, S, V], cache)."""
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    with model_phase(model, "prefill"):
+    with model_phase(model, phase):
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -136,19 +138,24 @@ def handoff_generate(
     max_new_tokens: int,
     eos_token_id: int | list[int],
     pad_token_id: int = 0,
+    *,
+    prefill_phase: str = "prefill",
+    decode_phase: str = "decode",
 ) -> GenerationResult:
     """Batched greedy generation: `prefill_model` reads the left-padded prompt [B, S] and picks the first
     token; `decode_model` produces the rest over the same cache.
 
     Pass the same masked model twice for phase-aware masking (it prefills in the prefill phase and decodes in
     the decode phase), the full model and a pruned checkpoint for disaggregation, or the full model twice.
+    `prefill_phase`/`decode_phase` pick the masking phase of each part for a masked model (ignored by plain
+    models): ("decode", "decode") runs pruned throughout, ("decode", "prefill") prefills pruned and decodes full.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id), device=input_ids.device)
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    logits, cache = prefill(prefill_model, input_ids, attention_mask)
+    logits, cache = prefill(prefill_model, input_ids, attention_mask, phase=prefill_phase)
     next_token = logits[:, -1].argmax(-1)
     first_token = next_token.clone()
     batch = input_ids.shape[0]
@@ -164,6 +171,6 @@ def handoff_generate(
         if bool(done.all()) or step + 1 == max_new_tokens:
             break
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
-        logits, cache = continue_on_cache(decode_model, cache, next_token[:, None], mask, phase="decode")
+        logits, cache = continue_on_cache(decode_model, cache, next_token[:, None], mask, phase=decode_phase)
         next_token = logits[:, -1].argmax(-1)
     return GenerationResult(tokens=tokens, lengths=lengths, ended=done, first_token=first_token)

@@ -1,0 +1,185 @@
+"""`python -m slimwise_train.eval`: greedy accuracy and output lengths on the held-out synthetic suite under
+the full, conventional, slimwise, reverse and slimwise_distill modes of one or more keep sets.
+
+    python -m slimwise_train.eval model=tiny_qwen3_moe \\
+        eval.keep_sets=[outputs/prune/tiny_qwen3_moe/reap-r0.5/keep_set.json]
+    python -m slimwise_train.eval ... eval.student=outputs/train/student eval.num_per_family=50 logger=wandb
+
+Writes into output_dir (each file atomically, only after every generation is done):
+  results.json            per (keep set, mode, family) metrics rows, per-problem lengths/ended/correct, notes
+  report.md               one table per keep set: rows = modes, cells = acc / median / p90 / hit-budget
+  lengths_<keep set>.png  output-length CDFs per family, one line per mode
+  eval_config.yaml        the resolved config
+  generations.jsonl       every output text (eval.save_generations=true)
+See `slimwise_train.evaluation` for the metric definitions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from slimwise_train.config import register_configs, to_container
+from slimwise_train.utils import distributed as du
+
+log = logging.getLogger("slimwise.eval")
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+LOGGERS = ("none", "wandb")
+
+
+def keep_set_name(path: str | Path, taken: set[str]) -> str:
+    """A short unique name: the folder of a `keep_set.json` (e.g. `reap-r0.5`), else the file stem."""
+    from slimwise_train.evaluation import safe_name
+
+    path = Path(path)
+    base = safe_name(path.parent.name if path.stem == "keep_set" and path.parent.name else path.stem)
+    name, k = base, 2
+    while name in taken:
+        name, k = f"{base}-{k}", k + 1
+    taken.add(name)
+    return name
+
+
+def validate_eval_config(cfg) -> None:
+    from slimwise_train.evaluation import MODES, check_student_path
+
+    ev = cfg.eval
+    unknown = [m for m in ev.modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown eval.modes {unknown}; use some of {list(MODES)}")
+    if not ev.modes:
+        raise ValueError(f"eval.modes is empty; use some of {list(MODES)}")
+    if ev.num_per_family < 1:
+        raise ValueError(f"eval.num_per_family must be >= 1, got {ev.num_per_family}")
+    if ev.batch_size < 1:
+        raise ValueError(f"eval.batch_size must be >= 1, got {ev.batch_size}")
+    if ev.budget is not None and ev.budget < 1:
+        raise ValueError(f"eval.budget must be >= 1 token (or null for {ev.budget_factor} x the longest answer), "
+                         f"got {ev.budget}")
+    if cfg.logger.name not in LOGGERS:
+        raise ValueError(f"unknown logger {cfg.logger.name!r}; use one of {list(LOGGERS)}")
+    if ev.student and "slimwise_distill" in ev.modes:
+        check_student_path(ev.student)
+
+
+def load_keep_sets(paths) -> tuple[dict, dict]:
+    """({name: KeepSet}, {name: path}); FileNotFoundError / ValueError name the bad file."""
+    from slimwise_train.keepset import KeepSet
+
+    keep_sets, where, taken = {}, {}, set()
+    for path in paths:
+        try:
+            keep = KeepSet.load(path)
+        except ValueError as exc:
+            raise ValueError(f"eval.keep_sets: {exc}") from None
+        name = keep_set_name(path, taken)
+        keep_sets[name], where[name] = keep, str(path)
+    return keep_sets, where
+
+
+def wandb_mode(logger_cfg) -> str:
+    if logger_cfg.mode != "auto":
+        return logger_cfg.mode
+    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+
+
+def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
+    import wandb
+
+    from slimwise_train.evaluation import wandb_rows
+
+    run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, name=cfg.logger.get("run_name"),
+                     mode=wandb_mode(cfg.logger),
+                     tags=list(cfg.logger.tags), job_type="eval", dir=str(cfg.output_dir), config=to_container(cfg))
+    columns, data = wandb_rows(results)
+    payload = {"eval/results": wandb.Table(columns=columns, data=data)}
+    payload.update({f"eval/lengths_{name}": wandb.Image(str(path)) for name, path in images.items()})
+    run.log(payload)
+    run.finish()
+
+
+def run_eval(cfg) -> dict:
+    """The whole eval job; returns the results dict. Importable for tests and notebooks."""
+    from slimwise_train.evaluation import build_problems, evaluate, load_student, plot_lengths, render_markdown
+    from slimwise_train.models import load_model, model_identity
+    from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
+
+    start = time.perf_counter()
+    validate_eval_config(cfg)
+    keep_sets, keep_paths = load_keep_sets(cfg.eval.keep_sets)
+    model, tokenizer = load_model(cfg.model, cfg.device)
+    for name, keep in keep_sets.items():
+        try:
+            keep.check_model(model)
+        except ValueError as exc:
+            raise ValueError(f"eval.keep_sets: {keep_paths[name]}: {exc}") from None
+    student = None
+    if cfg.eval.student and "slimwise_distill" in cfg.eval.modes and keep_sets:
+        student = load_student(cfg.eval.student, model)
+    problems = build_problems(tokenizer, list(cfg.eval.families), cfg.eval.num_per_family, cfg.eval.seed,
+                              cfg.eval.recipe)
+    results = evaluate(model, tokenizer, keep_sets, list(cfg.eval.modes), problems, cfg.eval.budget,
+                       cfg.eval.batch_size, budget_factor=cfg.eval.budget_factor, student=student,
+                       keep_set_paths=keep_paths, progress=cfg.progress and du.is_rank0())
+    results["model"] = model_identity(cfg.model)
+    results["student"] = cfg.eval.student if student is not None else None
+    results["elapsed_s"] = round(time.perf_counter() - start, 3)
+    texts = [run.pop("text") for run in results["runs"]]
+    if du.is_rank0():
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        images = {}
+        for name in list(results["keep_sets"]) or [None]:
+            images[name or "full"] = out / f"lengths_{name or 'full'}.png"
+            plot_lengths(results, name, images[name or "full"])
+        header = [f"model: {results['model']}"] + ([f"student: {results['student']}"] if results["student"] else [])
+        write_text_atomic(out / "report.md", render_markdown(results, header_lines=header))
+        write_text_atomic(out / "eval_config.yaml", OmegaConf.to_yaml(cfg))
+        if cfg.eval.save_generations:
+            with atomic_path(out / "generations.jsonl") as tmp, open(tmp, "w") as f:
+                for run, run_texts in zip(results["runs"], texts):
+                    for problem, text, length, ended, correct in zip(results["problems"], run_texts, run["length"],
+                                                                     run["ended"], run["correct"]):
+                        f.write(json.dumps({"keep_set": run["keep_set"], "mode": run["mode"], **problem,
+                                            "output": text, "length": length, "ended": ended,
+                                            "correct": correct}) + "\n")
+        write_json_atomic(out / "results.json", results)
+        if cfg.logger.name == "wandb":
+            log_to_wandb(cfg, results, images)
+        for row in results["rows"]:
+            if row["family"] == "all":
+                log.info("%-10s %-16s acc %.3f  median %s  p90 %s  hit-budget %.3f  first-token %.3f",
+                         row["keep_set"] or "-", row["mode"], row["accuracy"], row["median_length"],
+                         row["p90_length"], row["hit_budget"], row["first_token_agreement_with_full"])
+        log.info("wrote %s", out)
+    du.barrier()
+    return results
+
+
+register_configs()
+
+
+@hydra.main(config_path=CONF_DIR, config_name="eval", version_base=None)
+def main(cfg: DictConfig) -> None:
+    du.init_if_launched()
+    try:
+        run_eval(cfg)
+    except USER_ERRORS as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"slimwise_train.eval: error: {message}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    finally:
+        du.shutdown()

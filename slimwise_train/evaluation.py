@@ -1,0 +1,621 @@
+"""Batched greedy evaluation of the synthetic suite under the five serving modes of a keep set.
+
+Modes (prefill pool -> decode pool, over one KV cache):
+
+    full              full    -> full
+    conventional      pruned  -> pruned    (router-masked in both phases == a physically pruned model)
+    slimwise          full    -> pruned    (the first answer token comes from the full model)
+    reverse           pruned  -> full
+    slimwise_distill  full    -> student   (a distilled decode checkpoint, see `load_student`)
+
+One model carries `PhaseMasking` for the keep set being evaluated; each mode is a pair of masking phases for
+`handoff_generate`. Problems are grouped by family (each family has its own token budget), sorted by prompt
+length to limit padding, left-padded into batches, and put back in order afterwards.
+
+Metrics per (keep set, mode, family) and pooled over families (`all`), each a pure function of the per-problem
+records:
+
+    accuracy                         `synthetic.check(family, prompt, output, ended=...)` (EOS required)
+    median / p90 / max / mean length output length in tokens incl. EOS, or the budget when it never ended;
+                                     median: mean of the two middle values for even n; p90: nearest rank,
+                                     the ceil(0.9 n)-th smallest value
+    hit_budget                       share that produced no EOS within the budget
+    collapse                         share that ended (EOS) shorter than 0.5 x the reference answer (tokens incl.
+                                     EOS); outputs cut off by the budget are counted in hit_budget instead
+    first_token_agreement_with_full  share whose first generated token equals the full model's
+    exact_match_with_full            share whose whole output equals the full model's (when `full` ran)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from slimwise_train.handoff import handoff_generate, prefill
+from slimwise_train.keepset import KeepSet
+from slimwise_train.masking import PhaseMasking, get_masking
+
+log = logging.getLogger("slimwise.eval")
+
+FORMAT = "slimwise-eval/1"
+MODES = ("full", "conventional", "slimwise", "reverse", "slimwise_distill")
+# mode -> (prefill phase, decode phase) of the masked model; slimwise_distill decodes with the student instead.
+MODE_PHASES = {
+    "full": ("prefill", "prefill"),
+    "conventional": ("decode", "decode"),
+    "slimwise": ("prefill", "decode"),
+    "reverse": ("decode", "prefill"),
+    "slimwise_distill": ("prefill", "decode"),
+}
+MODE_DESCRIPTIONS = {
+    "full": "full prefill, full decode",
+    "conventional": "pruned prefill, pruned decode",
+    "slimwise": "full prefill, pruned decode",
+    "reverse": "pruned prefill, full decode",
+    "slimwise_distill": "full prefill, distilled student decode",
+}
+COLLAPSE_FRACTION = 0.5
+METRICS = ("n", "accuracy", "median_length", "p90_length", "max_length", "mean_length", "hit_budget", "collapse",
+           "first_token_agreement_with_full", "exact_match_with_full")
+ROW_COLUMNS = ("keep_set", "mode", "family", *METRICS)
+METRIC_DEFINITIONS = {
+    "length": "generated tokens including EOS; the budget when no EOS was produced",
+    "median_length": "statistics.median (mean of the two middle values for an even count)",
+    "p90_length": "nearest rank: the ceil(0.9 n)-th smallest length",
+    "hit_budget": "share of outputs without EOS within the budget",
+    "collapse": f"share of outputs that ended (EOS) shorter than {COLLAPSE_FRACTION} x the reference answer "
+                "(tokens incl. EOS)",
+    "first_token_agreement_with_full": "share whose first generated token equals the full model's first token",
+    "exact_match_with_full": "share whose whole output equals the full model's (null when full mode did not run)",
+    "accuracy": "synthetic.check on the output text up to EOS, with ended = EOS produced (EOS required)",
+}
+
+
+# ----------------------------------------------------------------------------------------------- problems
+@dataclass(frozen=True)
+class Problem:
+    family: str
+    prompt: str  # suite prompt without the separator
+    answer: str  # reference answer (for lengths only; correctness uses `synthetic.check`)
+    prompt_ids: tuple[int, ...]  # tokens of prompt + SEP
+    reference_length: int  # reference answer tokens + EOS
+
+
+def build_problems(
+    tokenizer,
+    families: Sequence[str],
+    num_per_family: int,
+    seed: int | None = None,
+    recipe: str | Path | dict | None = None,
+) -> list[Problem]:
+    """`num_per_family` held-out problems of each family with the recipe's family parameters.
+
+    `seed=None` uses the recipe's eval seed, so the first problems are exactly the recipe's eval split (which the
+    training data excludes); the held-out stream is prefix-stable, so more problems extend that split.
+    """
+    from slimwise_train.data import synthetic
+
+    if num_per_family < 1:
+        raise ValueError(f"eval.num_per_family must be >= 1, got {num_per_family}")
+    unknown = [f for f in families if f not in synthetic.FAMILIES]
+    if unknown or not families:
+        raise ValueError(f"unknown eval.families {unknown or list(families)}; use some of {list(synthetic.FAMILIES)}")
+    recipe = recipe if isinstance(recipe, dict) else synthetic.load_recipe(recipe)
+    seed = int(recipe["splits"]["eval"]["seed"]) if seed is None else int(seed)
+    problems = []
+    for family in families:
+        params = dict((recipe["families"].get(family) or {}).get("params") or {})
+        for example in synthetic.heldout(family, num_per_family, seed, **params):
+            prompt_text, answer_text = synthetic.to_text(example)
+            prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+            answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+            problems.append(Problem(family, example.prompt, example.answer, prompt_ids, len(answer_ids) + 1))
+    return problems
+
+
+def family_budgets(problems: Sequence[Problem], budget: int | Mapping[str, int] | None = None,
+                   factor: float = 2.0) -> dict[str, int]:
+    """Max new tokens per family: a fixed int, a {family: int} mapping, or (None) `factor` x the longest
+    reference answer of that family in tokens (incl. EOS), rounded up."""
+    families = list(dict.fromkeys(p.family for p in problems))
+    if budget is None:
+        if factor <= 0:
+            raise ValueError(f"eval.budget_factor must be > 0, got {factor}")
+        return {f: max(1, math.ceil(factor * max(p.reference_length for p in problems if p.family == f)))
+                for f in families}
+    out = {f: int(budget[f]) for f in families} if isinstance(budget, Mapping) else {f: int(budget) for f in families}
+    bad = {f: b for f, b in out.items() if b < 1}
+    if bad:
+        raise ValueError(f"eval.budget must be >= 1 token, got {bad}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- generation
+@dataclass(frozen=True)
+class Generation:
+    tokens: tuple[int, ...]  # generated tokens incl. EOS (nothing after it)
+    ended: bool  # EOS produced within the budget
+    first_token: int
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def plan_batches(problems: Sequence[Problem], batch_size: int) -> list[list[int]]:
+    """Problem indices in batches: per family (one budget per batch), sorted by prompt length (stable)."""
+    if batch_size < 1:
+        raise ValueError(f"eval.batch_size must be >= 1, got {batch_size}")
+    batches = []
+    for family in dict.fromkeys(p.family for p in problems):
+        idx = [i for i, p in enumerate(problems) if p.family == family]
+        idx.sort(key=lambda i: len(problems[i].prompt_ids))
+        batches += [idx[k : k + batch_size] for k in range(0, len(idx), batch_size)]
+    return batches
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] ids and 0/1 attention mask, padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def generate_all(
+    prefill_model: nn.Module,
+    decode_model: nn.Module,
+    problems: Sequence[Problem],
+    budgets: Mapping[str, int],
+    batch_size: int,
+    pad_token_id: int,
+    eos_token_id: int | list[int],
+    prefill_phase: str = "prefill",
+    decode_phase: str = "decode",
+    on_batch: Callable[[], None] | None = None,
+) -> list[Generation]:
+    """Greedy generations for every problem, in the order of `problems`."""
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+    device = _device_of(prefill_model)
+    out: list[Generation | None] = [None] * len(problems)
+    for batch in plan_batches(problems, batch_size):
+        ids, mask = left_pad([problems[i].prompt_ids for i in batch], pad_token_id, device)
+        result = handoff_generate(prefill_model, decode_model, ids, mask, budgets[problems[batch[0]].family],
+                                  eos_token_id, pad_token_id, prefill_phase=prefill_phase, decode_phase=decode_phase)
+        tokens, lengths = result.tokens.tolist(), result.lengths.tolist()
+        for row, i in enumerate(batch):
+            seq = tuple(tokens[row][: lengths[row]])
+            ended = bool(result.ended[row])
+            assert ended == (seq[-1] in eos)
+            out[i] = Generation(seq, ended, int(result.first_token[row]))
+        if on_batch is not None:
+            on_batch()
+    return out  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def first_tokens(model: nn.Module, problems: Sequence[Problem], batch_size: int, pad_token_id: int,
+                 phase: str = "prefill", on_batch: Callable[[], None] | None = None) -> list[int]:
+    """The greedy first answer token of every problem (prefill only)."""
+    device = _device_of(model)
+    out = [0] * len(problems)
+    for batch in plan_batches(problems, batch_size):
+        ids, mask = left_pad([problems[i].prompt_ids for i in batch], pad_token_id, device)
+        logits, _ = prefill(model, ids, mask, phase=phase)
+        for row, i in enumerate(batch):
+            out[i] = int(logits[row, -1].argmax(-1))
+        if on_batch is not None:
+            on_batch()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def p90(values: Sequence[float]) -> float:
+    """Nearest rank: the ceil(0.9 n)-th smallest value."""
+    ordered = sorted(values)
+    return float(ordered[max(1, math.ceil(0.9 * len(ordered))) - 1])
+
+
+def length_stats(lengths: Sequence[int], budget: int | Sequence[int], ended: Sequence[bool] | None = None) -> dict:
+    """median / p90 / max / mean of output lengths and the share that hit the budget.
+
+    `budget` is one int or one per output. Without `ended`, an output hit the budget when its length reached it;
+    with `ended` (EOS produced), when it did not end (an EOS exactly at the budget is not a hit).
+    """
+    lengths = [int(x) for x in lengths]
+    if not lengths:
+        raise ValueError("length_stats needs at least one length")
+    budgets = [int(budget)] * len(lengths) if isinstance(budget, (int, float)) else [int(b) for b in budget]
+    if len(budgets) != len(lengths):
+        raise ValueError(f"{len(budgets)} budgets for {len(lengths)} lengths")
+    hits = [length >= b for length, b in zip(lengths, budgets)] if ended is None else [not e for e in ended]
+    return {
+        "median_length": median(lengths),
+        "p90_length": p90(lengths),
+        "max_length": max(lengths),
+        "mean_length": sum(lengths) / len(lengths),
+        "hit_budget": sum(hits) / len(hits),
+    }
+
+
+def share(flags: Sequence[bool]) -> float:
+    return sum(bool(f) for f in flags) / len(flags) if flags else float("nan")
+
+
+def collapse_share(lengths: Sequence[int], reference_lengths: Sequence[int], ended: Sequence[bool] | None = None,
+                   fraction: float = COLLAPSE_FRACTION) -> float:
+    """Share of outputs that stopped (EOS; all when `ended` is None) shorter than `fraction` x their reference."""
+    ended = [True] * len(lengths) if ended is None else ended
+    return share([e and length < fraction * ref for length, ref, e in zip(lengths, reference_lengths, ended)])
+
+
+def decode_output(tokenizer, generation: Generation) -> str:
+    """Answer text up to and excluding EOS."""
+    tokens = generation.tokens[:-1] if generation.ended else generation.tokens
+    return tokenizer.decode(list(tokens), skip_special_tokens=False)
+
+
+def score_run(problems: Sequence[Problem], generations: Sequence[Generation], tokenizer, full_first: Sequence[int],
+              full_generations: Sequence[Generation] | None = None) -> dict:
+    """Per-problem records of one (keep set, mode) run: lists aligned with `problems`."""
+    from slimwise_train.data.synthetic import check
+
+    texts = [decode_output(tokenizer, g) for g in generations]
+    return {
+        "length": [g.length for g in generations],
+        "ended": [g.ended for g in generations],
+        "correct": [check(p.family, p.prompt, t, ended=g.ended) for p, t, g in zip(problems, texts, generations)],
+        "first_token": [g.first_token for g in generations],
+        "first_token_agrees": [g.first_token == f for g, f in zip(generations, full_first)],
+        "same_as_full": None if full_generations is None else
+        [g.tokens == f.tokens for g, f in zip(generations, full_generations)],
+        "text": texts,
+    }
+
+
+def summarize(problems: Sequence[Problem], record: dict, budgets: Mapping[str, int]) -> dict[str, dict]:
+    """{family: metrics, ..., "all": metrics} for one run's per-problem record."""
+    families = dict.fromkeys(p.family for p in problems)
+    groups = {f: [i for i, p in enumerate(problems) if p.family == f] for f in families}
+    groups["all"] = list(range(len(problems)))
+    out = {}
+    for name, idx in groups.items():
+        pick = lambda key: [record[key][i] for i in idx]  # noqa: E731
+        lengths = pick("length")
+        metrics = {"n": len(idx), "accuracy": share(pick("correct"))}
+        metrics.update(length_stats(lengths, [budgets[problems[i].family] for i in idx], pick("ended")))
+        metrics["collapse"] = collapse_share(lengths, [problems[i].reference_length for i in idx], pick("ended"))
+        metrics["first_token_agreement_with_full"] = share(pick("first_token_agrees"))
+        metrics["exact_match_with_full"] = None if record["same_as_full"] is None else share(pick("same_as_full"))
+        out[name] = metrics
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- students
+def check_student_path(path: str | Path) -> Path:
+    """The checkpoint folder of `eval.student`: the folder itself, or the `export/` inside a training run's
+    output folder."""
+    path = Path(path)
+    if not (path / "config.json").is_file() and (path / "export" / "config.json").is_file():
+        path = path / "export"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"eval.student {path} is not a checkpoint folder (no config.json); point it at the student the trainer "
+            "exported (<train output_dir>/export, a from_pretrained folder)"
+        )
+    return path
+
+
+def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, KeepSet | None]:
+    """(student decode model, the keep set it was pruned with or None) from an exported checkpoint folder.
+
+    The one place that knows the student export format: a `from_pretrained` folder, optionally with
+    `slimwise_keep_set.json` (as `pruning.export_pruned` and `distill.export.export_student` write). A student with
+    a shared expert is the registered `slimwise_<model_type>` architecture, so `slimwise_train.distill.export` is
+    imported first. It must share the full model's vocabulary and layers (attention is never pruned), since it
+    decodes over the full model's cache.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:  # registers the slimwise_<model_type> student classes with the Auto* factories
+        import slimwise_train.distill.export  # noqa: F401
+    except ImportError:  # pragma: no cover - the trainer's export module is optional here
+        pass
+
+    path = check_student_path(path)
+    param = next(full_model.parameters())
+    student = AutoModelForCausalLM.from_pretrained(path, dtype=param.dtype).to(param.device).eval()
+    full_vocab = full_model.get_output_embeddings().weight.shape[0]
+    student_vocab = student.get_output_embeddings().weight.shape[0]
+    if student_vocab != full_vocab:
+        raise ValueError(f"eval.student {path} has a {student_vocab}-token vocabulary but the model has {full_vocab}; "
+                         "it was made from another model")
+    full_type, student_type = full_model.config.model_type, student.config.model_type
+    full_layers = full_model.config.get_text_config().num_hidden_layers
+    student_layers = student.config.get_text_config().num_hidden_layers
+    if student_type not in (full_type, f"slimwise_{full_type}") or student_layers != full_layers:
+        raise ValueError(f"eval.student {path} is a {student_type} with {student_layers} layers but the model is a "
+                         f"{full_type} with {full_layers}; it was made from another model")
+    keep_file = path / "slimwise_keep_set.json"
+    return student, KeepSet.load(keep_file) if keep_file.is_file() else None
+
+
+# ----------------------------------------------------------------------------------------------- evaluate
+def _keep_set_info(keep: KeepSet, path: str | None) -> dict:
+    return {"path": path, "num_kept": list(keep.num_kept), "num_experts": [lk.num_experts for lk in keep],
+            "keep_fraction": keep.keep_fraction, "meta": keep.meta}
+
+
+def eos_ids(model: nn.Module, tokenizer) -> list[int]:
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    ids = list(dict.fromkeys(int(i) for i in ids))
+    if not ids:
+        raise ValueError("the tokenizer has no EOS token; the suite's answers end with EOS")
+    return ids
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    tokenizer,
+    keep_sets: Mapping[str, KeepSet] | Sequence[KeepSet],
+    modes: Sequence[str],
+    problems: Sequence[Problem],
+    budget: int | Mapping[str, int] | None,
+    batch_size: int,
+    *,
+    budget_factor: float = 2.0,
+    student: tuple[nn.Module, KeepSet | None] | None = None,
+    keep_set_paths: Mapping[str, str] | None = None,
+    progress: bool = False,
+) -> dict:
+    """Run every requested mode for every keep set; returns the results dict: summary `rows` (one per keep set,
+    mode and family incl. `all`; the full model's rows have keep_set None) and per-problem `runs` (lengths, ended,
+    correct, first tokens, output `text`), plus budgets, keep set info and notes.
+
+    `model` is the full model (no masking installed); `keep_sets` maps a name to a keep set (a sequence gets names
+    ks0, ks1, ...). `student` is `load_student`'s pair for slimwise_distill. Modes that cannot run (no keep set, no
+    student) are skipped with a note in `results["notes"]`.
+    """
+    from tqdm.auto import tqdm
+
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown eval.modes {unknown}; use some of {list(MODES)}")
+    if not modes:
+        raise ValueError(f"eval.modes is empty; use some of {list(MODES)}")
+    if get_masking(model) is not None:
+        raise ValueError("evaluate() wants the full model without PhaseMasking; it installs masking per keep set")
+    if not isinstance(keep_sets, Mapping):
+        keep_sets = {f"ks{i}": k for i, k in enumerate(keep_sets)}
+    for name, keep in keep_sets.items():
+        try:
+            keep.check_model(model)
+        except ValueError as exc:
+            raise ValueError(f"keep set {name}: {exc}") from None
+    modes = list(dict.fromkeys(modes))
+    budgets = family_budgets(problems, budget, budget_factor)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = eos_ids(model, tokenizer)
+    notes: list[str] = []
+
+    def note(text: str) -> None:
+        notes.append(text)
+        log.info("note: %s", text)
+
+    pruned_modes = [m for m in modes if m != "full"]
+    if not keep_sets and pruned_modes:
+        note(f"no keep sets given: only the full model runs (skipped {', '.join(pruned_modes)})")
+    # which keep sets run slimwise_distill
+    distill_under: list[str] = []
+    if "slimwise_distill" in modes and keep_sets:
+        if student is None:
+            note("slimwise_distill skipped: no student checkpoint (set eval.student=<folder>)")
+        else:
+            student_keep = student[1]
+            if student_keep is None:
+                distill_under = list(keep_sets)
+                note("the student carries no slimwise_keep_set.json; slimwise_distill ran under every keep set")
+            else:
+                distill_under = [n for n, k in keep_sets.items() if k == student_keep]
+                if not distill_under:
+                    raise ValueError(
+                        f"eval.student was pruned with a keep set (kept per layer {list(student_keep.num_kept)}) that "
+                        "is none of eval.keep_sets; add its keep set to eval.keep_sets"
+                    )
+    elif student is not None and "slimwise_distill" not in modes:
+        note("eval.student is set but slimwise_distill is not in eval.modes; the student was not evaluated")
+
+    runs_plan: list[tuple[str | None, str]] = [(None, "full")] if "full" in modes else []
+    for name in keep_sets:
+        for mode in pruned_modes:
+            if mode == "slimwise_distill" and name not in distill_under:
+                continue
+            runs_plan.append((name, mode))
+    batches_per_pass = len(plan_batches(problems, batch_size))
+    total = batches_per_pass * (len(runs_plan) + (0 if "full" in modes else 1))
+    bar = tqdm(total=total, desc="eval", unit="batch", disable=not progress, dynamic_ncols=True)
+
+    runs: list[dict] = []
+    full_gens: list[Generation] | None = None
+    if "full" in modes:
+        bar.set_description("eval full")
+        full_gens = generate_all(model, model, problems, budgets, batch_size, pad_id, eos, "prefill", "prefill",
+                                 on_batch=lambda: bar.update(1))
+        full_first = [g.first_token for g in full_gens]
+    else:
+        bar.set_description("eval full first tokens")
+        full_first = first_tokens(model, problems, batch_size, pad_id, on_batch=lambda: bar.update(1))
+    if full_gens is not None:
+        runs.append({"keep_set": None, "mode": "full", "generations": full_gens})
+
+    for name, keep in keep_sets.items():
+        masking = PhaseMasking(model, keep)
+        try:
+            for run_name, mode in runs_plan:
+                if run_name != name:
+                    continue
+                bar.set_description(f"eval {name} {mode}")
+                prefill_phase, decode_phase = MODE_PHASES[mode]
+                decoder = student[0] if mode == "slimwise_distill" else model
+                gens = generate_all(model, decoder, problems, budgets, batch_size, pad_id, eos, prefill_phase,
+                                    decode_phase, on_batch=lambda: bar.update(1))
+                runs.append({"keep_set": name, "mode": mode, "generations": gens})
+        finally:
+            masking.remove()
+    bar.close()
+
+    rows, run_records = [], []
+    for run in runs:
+        record = score_run(problems, run["generations"], tokenizer, full_first, full_gens)
+        for family, metrics in summarize(problems, record, budgets).items():
+            rows.append({"keep_set": run["keep_set"], "mode": run["mode"], "family": family, **metrics})
+        run_records.append({"keep_set": run["keep_set"], "mode": run["mode"], **record})
+    families = list(dict.fromkeys(p.family for p in problems))
+    return {
+        "format": FORMAT,
+        "families": families,
+        "num_problems": {f: sum(p.family == f for p in problems) for f in families},
+        "budget": budgets,
+        "budget_rule": (f"{budget_factor} x the longest reference answer (tokens incl. EOS) per family"
+                        if budget is None else "fixed"),
+        "modes": [m for m in modes if any(r["mode"] == m for r in runs)],
+        "mode_descriptions": {m: MODE_DESCRIPTIONS[m] for m in modes},
+        "keep_sets": {n: _keep_set_info(k, (keep_set_paths or {}).get(n)) for n, k in keep_sets.items()},
+        "eos_token_ids": eos,
+        "rows": rows,
+        "metric_definitions": METRIC_DEFINITIONS,
+        "notes": notes,
+        "problems": [{"family": p.family, "prompt": p.prompt, "reference_length": p.reference_length}
+                     for p in problems],
+        "runs": run_records,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+def rows_for(results: dict, keep_set: str | None) -> list[dict]:
+    """Rows of one keep set's table: the full model's rows, then that keep set's modes (in run order)."""
+    return [r for r in results["rows"] if r["keep_set"] is None or r["keep_set"] == keep_set]
+
+
+def _fmt(x, digits=2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and x.is_integer() and digits == 0:
+        return str(int(x))
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _cell(row: dict) -> str:
+    return (f"{_fmt(row['accuracy'])} / {_fmt(row['median_length'], 0 if row['median_length'].is_integer() else 1)}"
+            f" / {_fmt(row['p90_length'], 0)} / {_fmt(row['hit_budget'])}")
+
+
+def render_markdown(results: dict, title: str = "SlimWise evaluation", header_lines: Sequence[str] = ()) -> str:
+    families = results["families"]
+    columns = [*families, "all"]
+    lines = [f"# {title}", ""]
+    lines += [f"- {line}" for line in header_lines]
+    budgets = ", ".join(f"{f} {results['budget'][f]}" for f in families)
+    problems = ", ".join(f"{f} {results['num_problems'][f]}" for f in families)
+    lines += [f"- problems per family: {problems}", f"- token budget: {budgets} ({results['budget_rule']})",
+              "- cells: accuracy / median length / p90 length / share that hit the budget (lengths in tokens incl. "
+              "EOS); first tok = first-token agreement with the full model; exact = full = whole output equals the "
+              "full model's; collapse = share that ended shorter than half the reference", ""]
+    names = list(results["keep_sets"]) or [None]
+    for name in names:
+        if name is None:
+            lines += ["## no keep set (full model only)", ""]
+        else:
+            info = results["keep_sets"][name]
+            kept = info["num_kept"]
+            lines += [f"## keep set `{name}`", "",
+                      f"kept experts per layer: {kept[0] if len(set(kept)) == 1 else kept} of "
+                      f"{info['num_experts'][0]} (keep fraction {info['keep_fraction']:.3f})"
+                      + (f"; `{info['path']}`" if info.get("path") else ""), ""]
+        lines.append("| mode | " + " | ".join(columns) + " | first tok | exact = full | collapse |")
+        lines.append("|---|" + "---|" * (len(columns) + 3))
+        by_mode: dict[str, dict] = {}
+        for row in rows_for(results, name):
+            by_mode.setdefault(row["mode"], {})[row["family"]] = row
+        for mode, cells in by_mode.items():
+            total = cells["all"]
+            lines.append(f"| {mode} | " + " | ".join(_cell(cells[c]) for c in columns)
+                         + f" | {_fmt(total['first_token_agreement_with_full'])}"
+                         + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])} |")
+        lines.append("")
+    if results["notes"]:
+        lines += ["## notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "keep_set"
+
+
+def _cdf(values) -> tuple[list, list]:
+    """Step coordinates of an empirical CDF, starting at 0."""
+    values = sorted(values)
+    return [values[0], *values], [0.0, *((k + 1) / len(values) for k in range(len(values)))]
+
+
+def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
+    """CDF of output lengths per family (one panel each), one line per mode, the reference answers dashed and
+    the budget as a vertical line. Written atomically with the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from slimwise_train.utils.atomic import atomic_path
+
+    families = results["families"]
+    runs = [r for r in results["runs"] if r["keep_set"] is None or r["keep_set"] == keep_set]
+    problem_family = [p["family"] for p in results["problems"]]
+    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.4), squeeze=False)
+    for ax, family in zip(axes[0], families):
+        idx = [i for i, f in enumerate(problem_family) if f == family]
+        ref = sorted(results["problems"][i]["reference_length"] for i in idx)
+        ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
+        for run in runs:
+            ax.step(*_cdf(run["length"][i] for i in idx), where="post", label=run["mode"])
+        ax.axvline(results["budget"][family], color="k", lw=0.8, ls=":", label="budget")
+        ax.set_title(family)
+        ax.set_xlabel("output tokens (incl. EOS)")
+        ax.set_ylim(0, 1.02)
+    axes[0][0].set_ylabel("share of problems")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"output length CDF, keep set {keep_set}" if keep_set else "output length CDF, full model")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def wandb_rows(results: dict) -> tuple[list[str], list[list]]:
+    columns = list(ROW_COLUMNS)
+    data = [[("-" if r["keep_set"] is None else r["keep_set"]) if c == "keep_set" else r[c] for c in columns]
+            for r in results["rows"]]
+    return columns, data

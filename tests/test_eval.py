@@ -1,0 +1,348 @@
+"""`python -m slimwise_train.eval`: numbers against a plain per-example loop, metric definitions, the reverse and
+slimwise_distill modes, outputs, and bad input.
+
+The model is `tiny_qwen3_moe` saved as a checkpoint after one change: the EOS row of its LM head is a random
+direction scaled so that EOS wins roughly 7% of greedy steps. A random model otherwise never stops, and every
+length would equal the budget. Everything runs single-threaded: on 2 shared cores, torch's default of 2 threads
+is ~10x slower for these tiny matrices.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from slimwise_train.adapters import get_adapter
+from slimwise_train.data import synthetic
+from slimwise_train.eval import CONF_DIR, run_eval
+from slimwise_train.evaluation import (
+    Generation, build_problems, collapse_share, family_budgets, length_stats, p90, plan_batches, score_run,
+    summarize,
+)
+from slimwise_train.handoff import continue_on_cache, handoff_generate, prefill
+from slimwise_train.keepset import KeepSet
+from slimwise_train.masking import PhaseMasking
+from slimwise_train.models import SHIPPED_TOKENIZER, load_model
+from slimwise_train.pruning import export_pruned, prune_experts_
+from slimwise_train.testing.tiny import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+KEPT = [[0, 2, 5, 7], [1, 3, 4, 6]]
+BUDGET = 16
+PER_FAMILY = 4
+EOS_RATE = 0.07
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _compose(out, *overrides):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("eval", overrides=[f"output_dir={out}", "progress=false", *overrides])
+
+
+def _boost_eos(model, tokenizer, rate=EOS_RATE):
+    """Make EOS the greedy choice at about `rate` of positions (on teacher-forced suite text)."""
+    texts = [p + a for p, a in map(synthetic.to_text, synthetic.generate_mixture(4, 7, shuffle=False))]
+    ids = [torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    eos = tokenizer.eos_token_id
+    head = model.get_output_embeddings().weight
+    direction = torch.randn(head.shape[1], generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        head[eos] = 0
+        hidden = torch.cat([model(input_ids=x[None], output_hidden_states=True).hidden_states[-1][0] for x in ids])
+        best_other = (hidden @ head.T).max(-1).values
+        proj = hidden @ direction
+        ratio = torch.where(proj > 0, best_other / proj, torch.full_like(proj, float("inf")))
+        scale = torch.quantile(ratio[torch.isfinite(ratio)], rate * len(ratio) / int(torch.isfinite(ratio).sum()))
+        head[eos] = direction * scale * 1.001
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval")
+    model, tokenizer = load_model(_compose(root / "unused").model, "cpu")
+    _boost_eos(model, tokenizer)
+    model.save_pretrained(root / "model")
+    keep = KeepSet.from_kept(get_adapter(model).moe_layers(model), KEPT, model_type=model.config.model_type)
+    keep.save(root / "r0.5" / "keep_set.json")
+    export_pruned(model, keep, root / "student")  # physically pruned stand-in for a distilled student
+    model_args = [f"model.path={root / 'model'}", "model.tiny=null", f"model.tokenizer={SHIPPED_TOKENIZER}"]
+    out = root / "out"
+    results = run_eval(_compose(out, *model_args, f"eval.keep_sets=[{root / 'r0.5' / 'keep_set.json'}]",
+                                f"eval.student={root / 'student'}", f"eval.num_per_family={PER_FAMILY}",
+                                f"eval.budget={BUDGET}", "eval.batch_size=3", "eval.save_generations=true",
+                                "logger=wandb"))
+    return {"root": root, "model": model, "tokenizer": tokenizer, "keep": keep, "results": results, "out": out,
+            "model_args": model_args}
+
+
+def _run(results, mode):
+    (run,) = [r for r in results["runs"] if r["mode"] == mode]
+    return run
+
+
+# ------------------------------------------------------------------------------------ reference loops
+def _greedy_no_cache(model, prompt, budget, eos):
+    """Plain greedy decoding: one forward over the whole sequence per token, batch size 1, no cache."""
+    ids, out = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(budget):
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            out.append(token)
+            if token == eos:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def _greedy_handoff_stepwise(prefill_model, decode_model, prompt, budget, eos):
+    """One prompt: `prefill_model` writes the cache and picks the first token, `decode_model` continues on it."""
+    with torch.no_grad():
+        logits, cache = prefill(prefill_model, torch.tensor([prompt]))
+        out = [int(logits[0, -1].argmax())]
+        while out[-1] != eos and len(out) < budget:
+            logits, cache = continue_on_cache(decode_model, cache, torch.tensor([[out[-1]]]))
+            out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+def _median(values):
+    s, n = sorted(values), len(values)
+    return float(s[n // 2]) if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def test_app_numbers_equal_a_plain_per_example_loop(setup):
+    model, tokenizer, results = setup["model"], setup["tokenizer"], setup["results"]
+    eos = tokenizer.eos_token_id
+    full = copy.deepcopy(model)
+    pruned = prune_experts_(copy.deepcopy(model), setup["keep"])
+    problems = build_problems(tokenizer, list(synthetic.FAMILIES), PER_FAMILY)
+    assert [p.prompt for p in problems] == [p["prompt"] for p in results["problems"]]
+    reference = {
+        "full": [_greedy_no_cache(full, p.prompt_ids, BUDGET, eos) for p in problems],
+        "conventional": [_greedy_no_cache(pruned, p.prompt_ids, BUDGET, eos) for p in problems],
+        "slimwise": [_greedy_handoff_stepwise(full, pruned, p.prompt_ids, BUDGET, eos) for p in problems],
+        "reverse": [_greedy_handoff_stepwise(pruned, full, p.prompt_ids, BUDGET, eos) for p in problems],
+    }
+    ended_all = [t[-1] == eos for t in reference["full"]]
+    assert 0 < sum(ended_all) < len(ended_all)  # the EOS boost gives a mix of stopped and cut-off outputs
+    assert reference["slimwise"] != reference["full"] and reference["conventional"] != reference["slimwise"]
+    rows = {(r["mode"], r["family"]): r for r in results["rows"]}
+    for mode, outputs in reference.items():
+        run = _run(results, mode)
+        assert run["length"] == [len(t) for t in outputs], mode
+        assert run["ended"] == [t[-1] == eos for t in outputs], mode
+        assert run["first_token"] == [t[0] for t in outputs], mode
+        for family in [*synthetic.FAMILIES, "all"]:
+            idx = [i for i, p in enumerate(problems) if family in ("all", p.family)]
+            lengths = [len(outputs[i]) for i in idx]
+            ended = [outputs[i][-1] == eos for i in idx]
+            texts = [tokenizer.decode(outputs[i][:-1] if e else outputs[i]) for i, e in zip(idx, ended)]
+            row = rows[(mode, family)]
+            assert row["n"] == len(idx)
+            assert row["accuracy"] == sum(synthetic.check(problems[i].family, problems[i].prompt, t, ended=e)
+                                          for i, t, e in zip(idx, texts, ended)) / len(idx)
+            assert row["median_length"] == _median(lengths)
+            assert row["p90_length"] == sorted(lengths)[math.ceil(0.9 * len(lengths)) - 1]
+            assert row["max_length"] == max(lengths)
+            assert row["hit_budget"] == ended.count(False) / len(idx)
+            assert row["collapse"] == sum(e and n < 0.5 * problems[i].reference_length
+                                          for i, n, e in zip(idx, lengths, ended)) / len(idx)
+            agree = [outputs[i][0] == reference["full"][i][0] for i in idx]
+            assert row["first_token_agreement_with_full"] == sum(agree) / len(idx)
+            assert row["exact_match_with_full"] == sum(outputs[i] == reference["full"][i] for i in idx) / len(idx)
+    # the first answer token of slimwise comes from the full model; pruned prefill changes some
+    assert rows[("slimwise", "all")]["first_token_agreement_with_full"] == 1.0
+    assert rows[("conventional", "all")]["first_token_agreement_with_full"] < 1.0
+    assert rows[("reverse", "all")]["first_token_agreement_with_full"] == \
+        rows[("conventional", "all")]["first_token_agreement_with_full"]
+
+
+def test_slimwise_distill_with_pruned_checkpoint_equals_slimwise(setup):
+    results = setup["results"]
+    slim, distill = _run(results, "slimwise_distill"), _run(results, "slimwise")
+    for key in ("length", "ended", "correct", "first_token", "same_as_full"):
+        assert slim[key] == distill[key], key
+    lines = [json.loads(x) for x in (setup["out"] / "generations.jsonl").read_text().splitlines()]
+    outputs = {m: [x["output"] for x in lines if x["mode"] == m] for m in ("slimwise", "slimwise_distill")}
+    assert outputs["slimwise"] == outputs["slimwise_distill"] and len(outputs["slimwise"]) == 3 * PER_FAMILY
+    rows = {(r["mode"], r["family"]): {k: v for k, v in r.items() if k != "mode"} for r in results["rows"]}
+    for family in [*synthetic.FAMILIES, "all"]:
+        assert rows[("slimwise", family)] == rows[("slimwise_distill", family)]
+
+
+def test_reverse_with_one_masked_model_equals_two_models(setup):
+    model, keep = setup["model"], setup["keep"]
+    full, pruned = copy.deepcopy(model), prune_experts_(copy.deepcopy(model), keep)
+    masked = copy.deepcopy(model)
+    PhaseMasking(masked, keep)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(4, 300, (3, 11), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[2, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kwargs = dict(max_new_tokens=BUDGET, eos_token_id=setup["tokenizer"].eos_token_id)
+    one = handoff_generate(masked, masked, ids, mask, prefill_phase="decode", decode_phase="prefill", **kwargs)
+    two = handoff_generate(pruned, full, ids, mask, **kwargs)
+    for field in ("tokens", "lengths", "ended", "first_token"):
+        assert torch.equal(getattr(one, field), getattr(two, field)), field
+    slimwise = handoff_generate(masked, masked, ids, mask, **kwargs)  # default phases unchanged
+    assert torch.equal(slimwise.tokens, handoff_generate(full, pruned, ids, mask, **kwargs).tokens)
+    assert not torch.equal(slimwise.tokens, one.tokens)
+
+
+# ------------------------------------------------------------------------------------ pure functions
+def test_length_stats_hand_computed():
+    lengths = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]  # sorted: 1 1 2 3 3 4 5 5 6 9
+    stats = length_stats(lengths, budget=9)
+    # median: mean of the 5th and 6th values (3, 4); p90: nearest rank ceil(0.9 * 10) = 9th value
+    assert stats == {"median_length": 3.5, "p90_length": 6.0, "max_length": 9, "mean_length": 3.9, "hit_budget": 0.1}
+    assert length_stats([5, 1, 3], budget=10) == {"median_length": 3.0, "p90_length": 5.0, "max_length": 5,
+                                                  "mean_length": 3.0, "hit_budget": 0.0}
+    # with `ended`, an EOS exactly at the budget is not a hit, a cut-off output is
+    assert length_stats([4, 4, 2], budget=4, ended=[True, False, True])["hit_budget"] == pytest.approx(1 / 3)
+    assert length_stats([4, 6], budget=[4, 8])["hit_budget"] == 0.5  # one budget per output
+    assert length_stats([7], budget=7)["p90_length"] == 7.0
+    assert p90(list(range(1, 21))) == 18.0  # ceil(18.0) = 18th of 20
+    assert collapse_share([2, 10, 3], [10, 10, 6], ended=[True, True, False]) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="at least one length"):
+        length_stats([], budget=4)
+
+
+def test_accuracy_needs_eos_and_budgets_default_to_twice_the_longest_answer(setup):
+    tokenizer = setup["tokenizer"]
+    problems = build_problems(tokenizer, ["math", "tool"], 2)
+    eval_split = synthetic.generate_from_recipe(None, "eval")  # seed null = the recipe's eval split
+    recipe_math = [e.prompt for e in eval_split if e.family == "math"]
+    assert [p.prompt for p in problems if p.family == "math"] == recipe_math[:2]
+    budgets = family_budgets(problems)
+    for family in ("math", "tool"):
+        longest = max(len(tokenizer(e.answer, add_special_tokens=False)["input_ids"]) + 1
+                      for e in synthetic.heldout(family, 2, 0, **synthetic.load_recipe()["families"][family]["params"]))
+        assert budgets[family] == 2 * longest
+    assert family_budgets(problems, 40) == {"math": 40, "tool": 40}
+    eos = tokenizer.eos_token_id
+    answers = [tokenizer(p.answer, add_special_tokens=False)["input_ids"] for p in problems]
+    right = [Generation(tuple(a + [eos]), True, a[0]) for a in answers]
+    unterminated = [Generation(tuple(a), False, a[0]) for a in answers]
+    first = [a[0] for a in answers]
+    assert score_run(problems, right, tokenizer, first)["correct"] == [True] * 4
+    assert score_run(problems, unterminated, tokenizer, first)["correct"] == [False] * 4
+    summary = summarize(problems, score_run(problems, right[:2] + unterminated[2:], tokenizer, first), budgets)
+    assert summary["math"]["accuracy"] == 1.0 and summary["tool"]["accuracy"] == 0.0
+    assert summary["all"]["accuracy"] == 0.5 and summary["all"]["hit_budget"] == 0.5
+    # batches: one family each, shortest prompts first
+    batches = plan_batches(problems, 3)
+    assert all(len({problems[i].family for i in b}) == 1 for b in batches)
+    assert sorted(i for b in batches for i in b) == list(range(4))
+
+
+# ------------------------------------------------------------------------------------ outputs
+def test_outputs_report_plots_and_json_schema(setup):
+    out, results = setup["out"], setup["results"]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name != "wandb") == [
+        "eval_config.yaml", "generations.jsonl", "lengths_r0.5.png", "report.md", "results.json"]
+    assert (out / "lengths_r0.5.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "results.json").read_text())
+    for key in ("format", "model", "families", "num_problems", "budget", "budget_rule", "modes", "keep_sets", "rows",
+                "runs", "problems", "notes", "metric_definitions", "elapsed_s"):
+        assert key in data, key
+    assert data["modes"] == ["full", "conventional", "slimwise", "reverse", "slimwise_distill"]
+    assert data["budget"] == {f: BUDGET for f in synthetic.FAMILIES}
+    assert data["keep_sets"]["r0.5"]["num_kept"] == [4, 4]
+    assert len(data["rows"]) == 5 * 4
+    assert set(data["rows"][0]) == {"keep_set", "mode", "family", "n", "accuracy", "median_length", "p90_length",
+                                    "max_length", "mean_length", "hit_budget", "collapse",
+                                    "first_token_agreement_with_full", "exact_match_with_full"}
+    assert {r["keep_set"] for r in data["rows"]} == {None, "r0.5"}
+    assert set(data["runs"][0]) == {"keep_set", "mode", "length", "ended", "correct", "first_token",
+                                    "first_token_agrees", "same_as_full"}
+    report = (out / "report.md").read_text()
+    assert "## keep set `r0.5`" in report and "| mode | math | code | tool | all | first tok" in report
+    table = [line for line in report.splitlines() if line.startswith("| ")]
+    assert [line.split(" | ")[0][2:] for line in table[1:]] == list(data["modes"])
+    row = next(r for r in results["rows"] if r["mode"] == "slimwise" and r["family"] == "math")
+    assert f"| slimwise | {row['accuracy']:.2f} / " in report
+
+
+def test_no_keep_sets_runs_only_full_with_a_note(setup, tmp_path):
+    out = tmp_path / "out"
+    results = run_eval(_compose(out, *setup["model_args"], "eval.num_per_family=2", "eval.budget=6",
+                                "eval.families=[code]"))
+    assert results["modes"] == ["full"] and {r["mode"] for r in results["rows"]} == {"full"}
+    assert any("no keep sets given" in n for n in results["notes"])
+    assert (out / "lengths_full.png").is_file()
+    assert "no keep set (full model only)" in (out / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _other_model_keep_set(root):
+    other = tiny_model("qwen3_moe", num_hidden_layers=3)
+    keep = KeepSet.from_kept(get_adapter(other).moe_layers(other), KEPT + [[0, 1, 2, 3]], model_type="qwen3_moe")
+    keep.save(root / "other" / "keep_set.json")
+    return root / "other" / "keep_set.json"
+
+
+def _different_student(root, model):
+    path = root / "student_other"
+    if not path.exists():
+        keep = KeepSet.from_kept(get_adapter(model).moe_layers(model), [[0, 1, 2, 3], [4, 5, 6, 7]],
+                                 model_type="qwen3_moe")
+        export_pruned(model, keep, path)
+    return path
+
+
+@pytest.mark.parametrize("case,error,message", [
+    ("missing_keep_set", FileNotFoundError, "keep set file .*missing.json does not exist"),
+    ("other_model_keep_set", ValueError, "it was made for another model"),
+    ("missing_student", FileNotFoundError, "eval.student .*nowhere is not a checkpoint folder"),
+    ("student_of_another_keep_set", ValueError, "eval.student was pruned with a keep set .* none of eval.keep_sets"),
+    ("unknown_mode", ValueError, r"unknown eval.modes \['slimwize'\]"),
+    ("zero_budget", ValueError, "eval.budget must be >= 1"),
+])
+def test_bad_input_fails_with_one_line_and_writes_nothing(setup, tmp_path, case, error, message):
+    root = setup["root"]
+    keep = f"eval.keep_sets=[{root / 'r0.5' / 'keep_set.json'}]"
+    overrides = {
+        "missing_keep_set": [f"eval.keep_sets=[{tmp_path / 'missing.json'}]"],
+        "other_model_keep_set": [f"eval.keep_sets=[{_other_model_keep_set(tmp_path)}]"],
+        "missing_student": [keep, f"eval.student={tmp_path / 'nowhere'}"],
+        "student_of_another_keep_set": [keep, f"eval.student={_different_student(root, setup['model'])}"],
+        "unknown_mode": [keep, "eval.modes=[full,slimwize]"],
+        "zero_budget": [keep, "eval.budget=0"],
+    }[case]
+    out = tmp_path / "out"
+    with pytest.raises(error, match=message) as info:
+        run_eval(_compose(out, *setup["model_args"], "eval.num_per_family=1", *overrides))
+    assert "\n" not in str(info.value)
+    assert not out.exists()
+
+
+def test_cli_error_is_one_line_with_exit_code_2(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "slimwise_train.eval", f"eval.keep_sets=[{tmp_path / 'missing.json'}]",
+         f"hydra.run.dir={tmp_path / 'run'}"],
+        capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("slimwise_train.eval")]
+    assert len(lines) == 1 and "missing.json does not exist" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
