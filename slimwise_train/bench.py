@@ -7,6 +7,7 @@ noisy shared machine; absolute times are printed too and become meaningful on a 
     python -m slimwise_train.bench phase      # phase-aware masking hooks in the prefill phase vs no hooks
     python -m slimwise_train.bench loss       # top-k + residual KL vs naive full-vocabulary KL
     python -m slimwise_train.bench decode     # decode step: full vs masked vs pruned pools, batch 1..64
+    python -m slimwise_train.bench train      # distillation step vs a naive two-copy step and the lower bound
 """
 
 from __future__ import annotations
@@ -311,7 +312,289 @@ def run_decode(args) -> dict:
     }
 
 
-BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode}
+# --------------------------------------------------------------------------- bench train
+
+
+def _rss_now_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return _peak_rss_bytes()
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the peak RSS (VmHWM, which getrusage's ru_maxrss reads) to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _train_cfg(args: dict):
+    """The trainer's config (distill defaults of the real schema, the loss knobs from the command line)."""
+    from omegaconf import OmegaConf
+
+    from slimwise_train.config import DistillConfig
+
+    distill = DistillConfig(top_k=args["loss_top_k"], chunk_size=args["chunk"], grad_accum=1)
+    return OmegaConf.create({"distill": OmegaConf.structured(distill), "extra": {}, "output_dir": ".",
+                             "seed": args["seed"]})
+
+
+def _train_build(args: dict, device, variants, after_teacher: Callable[[], None] | None = None):
+    """The step callables of `variants` (ours / naive / lower_bound) on one shared teacher and one batch.
+
+    Everything built after `after_teacher()` is what the variant adds on top of the teacher's weights.
+    Returns (steps {name: fn}, batch stats).
+    """
+    import copy
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+    from transformers import DynamicCache
+
+    from slimwise_train.adapters import get_adapter
+    from slimwise_train.distill import batches as B
+    from slimwise_train.distill.engine import TorchEngine
+    from slimwise_train.distill.losses import IGNORE_INDEX
+    from slimwise_train.distill.student import (DistillModel, SharedExpert, StudentSpec, activation_name, find_norms,
+                                                routed_expert_size, text_config)
+    from slimwise_train.distill.trainer import Trainer
+    from slimwise_train.handoff import positions_from_mask
+    from slimwise_train.keepset import KeepSet
+    from slimwise_train.pruning import prune_experts_
+    from slimwise_train.scoring import num_to_keep
+
+    torch.manual_seed(args["seed"])
+    teacher = bench_model(args["model_type"], args["hidden"], args["layers"], args["experts"], args["top_k"],
+                          args["moe_intermediate"], args["vocab"], device).eval()
+    teacher.requires_grad_(False)
+    if after_teacher is not None:
+        after_teacher()
+    adapter = get_adapter(teacher)
+    layers = adapter.moe_layers(teacher)
+    keep = KeepSet.from_kept(layers, [list(range(num_to_keep(m.num_experts, args["prune_ratio"]))) for m in layers])
+    cfg = _train_cfg(args)
+    d = cfg.distill
+
+    # One batch from the trainer's own data plan: `batch` sequences of `seq` random tokens, one split point each
+    # (s ~ U{1..seq-2}, the default SplitRule); a one-batch plan without shuffling repeats it at every step.
+    g = torch.Generator().manual_seed(args["seed"])
+    pad = int(teacher.config.pad_token_id or 0)
+    seqs = [(torch.randint(3, args["vocab"], (args["seq"],), generator=g).tolist(), 0) for _ in range(args["batch"])]
+    rule = B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
+    plan = B.DataPlan(seqs, rule, args["batch"], data_seed=0, split_seed=args["seed"], bucket_windows=1, shuffle=False)
+    indices, splits = plan.step_batch(0)
+    batch = B.continuation_batch([seqs[i] for i in indices], splits, pad).to(device)
+    P, L = batch.prefix_ids.shape[1], batch.cont_ids.shape[1]
+    full_ids = torch.cat([batch.prefix_ids, batch.cont_ids], dim=1)
+    cont_mask = batch.full_mask[:, P:]
+    cont_positions = positions_from_mask(batch.full_mask, P, L)
+    steps: dict[str, Callable[[], None]] = {}
+
+    def optimizer_step(params, optimizer):
+        # What TorchEngine.step does: explicit clip, AdamW, zero grads.
+        torch.nn.utils.clip_grad_norm_(params, float(d.grad_clip) if float(d.grad_clip) > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=float(d.lr), betas=(float(d.adam_beta1), float(d.adam_beta2)),
+                                 eps=float(d.adam_eps), weight_decay=float(d.weight_decay))
+
+    if "naive" in variants:
+        # A separate student: deep copy of the teacher, experts physically pruned, its own routers and norms
+        # trainable in place, plus a new shared expert (same module and init as ours) added to the experts' output.
+        student = prune_experts_(copy.deepcopy(teacher), keep)
+        student.requires_grad_(False)
+        params = []
+        for moe in adapter.moe_layers(student):
+            router = adapter.mask_hook_target(moe)
+            for p in router.parameters(recurse=False):
+                params.append(p.requires_grad_(True))
+            shared = SharedExpert(teacher.config.hidden_size, routed_expert_size(student), activation_name(student),
+                                  torch.float32, device)
+            with torch.no_grad():
+                shared.down_proj.weight.zero_()
+            moe.block.add_module("naive_shared_expert", shared)
+            moe.experts.register_forward_hook(
+                lambda mod, a, out, shared=shared: out + shared(a[0]).view_as(out))
+            params += list(shared.parameters())
+        params += [norm.weight.requires_grad_(True) for _, norm in find_norms(student, "all")]
+        naive_opt = adamw(params)
+
+        def naive():
+            with torch.no_grad():
+                # Teacher pass 1: the prefix, for the cache (only the cache is used, as in generate's prefill).
+                cache = DynamicCache(config=text_config(teacher))
+                teacher(input_ids=batch.prefix_ids, attention_mask=batch.prefix_mask,
+                        position_ids=positions_from_mask(batch.prefix_mask), past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+                # Teacher pass 2: the whole sequence again for the targets (a plain forward: logits everywhere).
+                target = teacher(input_ids=full_ids, attention_mask=batch.full_mask,
+                                 position_ids=positions_from_mask(batch.full_mask), use_cache=False).logits[:, P:]
+            logits = student(input_ids=batch.cont_ids, attention_mask=batch.full_mask, position_ids=cont_positions,
+                             past_key_values=cache, use_cache=True).logits
+            valid = batch.labels != IGNORE_INDEX
+            s, t = logits[valid].float(), target[valid].float()
+            kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+            loss = float(d.ce_weight) * F.cross_entropy(s, batch.labels[valid]) + float(d.kl_weight) * kl
+            loss.backward()
+            optimizer_step(params, naive_opt)
+
+        steps["naive"] = naive
+
+    if "ours" in variants or "lower_bound" in variants:
+        model = DistillModel(teacher, keep, StudentSpec(seed=args["seed"]))
+        trainable = [p for _, p in model.trainable_named_parameters()]
+    if "ours" in variants:
+        # The real step: Trainer.train_step on a trainer whose setup() is replaced by the attributes it would set
+        # (model, data plan, engine=torch); no files, no logger.
+        trainer = Trainer(cfg)
+        trainer.rank, trainer.world_size, trainer.device = 0, 1, device
+        trainer.student, trainer.rule, trainer.train_seqs, trainer.plan = model, rule, seqs, plan
+        trainer.micro_batch, trainer.grad_accum, trainer.global_batch = args["batch"], 1, args["batch"]
+        trainer.tokenizer = SimpleNamespace(pad_token_id=pad)
+        trainer.engine = TorchEngine(model, d, device)
+        steps["ours"] = lambda: trainer.train_step(0)
+    if "lower_bound" in variants:
+        lower_opt = adamw(trainable)
+
+        def lower_bound():
+            with torch.no_grad():  # one teacher pass over the whole sequence, logits only where targets are needed
+                model(full_ids, batch.full_mask, positions_from_mask(batch.full_mask), None, phase="teacher",
+                      use_cache=False, logits_to_keep=L)
+            logits = model(batch.cont_ids, cont_mask, cont_positions, None, phase="student", use_cache=False)
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch.labels.reshape(-1),
+                            ignore_index=IGNORE_INDEX).backward()
+            optimizer_step(trainable, lower_opt)
+
+        steps["lower_bound"] = lower_bound
+    return steps, batch.stats()
+
+
+TRAIN_VARIANTS = ("ours", "naive", "lower_bound")
+
+
+def _train_memory_child(variant: str, args: dict) -> dict:
+    """Runs in a fresh process: memory of `warm steps` + 1 steps of one variant beyond the teacher's weights."""
+    device = torch.device(args["device"])
+    marks: dict[str, int] = {}
+
+    def after_teacher():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            marks["teacher"] = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        else:
+            marks["teacher"] = _rss_now_bytes()
+            marks["reset"] = int(_reset_peak_rss())  # drop the peak of building the teacher
+
+    steps, _ = _train_build(args, device, [variant], after_teacher)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        marks["models"] = torch.cuda.memory_allocated(device)
+    else:
+        marks["models"] = _rss_now_bytes()
+    for _ in range(2):  # the first step creates the optimizer state; the second runs with it
+        steps[variant]()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = _peak_rss_bytes()
+    return {
+        "metric": "cuda_max_memory_allocated" if device.type == "cuda" else
+        ("rss_vmhwm_reset_after_teacher" if marks.get("reset") else "rss_ru_maxrss"),
+        "peak_total": peak,
+        "after_teacher": marks["teacher"],
+        "models_extra": marks["models"] - marks["teacher"],
+        "peak_extra_over_teacher_weights": peak - marks["teacher"],
+    }
+
+
+def run_train(args) -> dict:
+    """One distillation step: ours (Trainer.train_step) vs a naive two-copy step vs the lower bound.
+
+    ours         the real SlimWise step, `Trainer.train_step` itself on a trainer whose `setup()` is replaced by the
+                 attributes it sets (DistillModel over the one teacher, the trainer's DataPlan, engine=torch):
+                 teacher prefill of the prefix (cache only) -> teacher continuation on a copy of the cache (targets)
+                 -> student continuation on the cache -> chunked top-k + residual KL and CE -> backward -> clip, AdamW.
+    naive        how existing distillation tools do it: a separate deep copy of the teacher, experts physically
+                 pruned, its own router/norm weights trainable and a new shared expert (two weight copies in memory);
+                 a teacher pass over the prefix for the cache and ANOTHER plain teacher forward over the whole sequence
+                 for the targets; the student continues on the prefix cache; full-vocabulary fp32 KL (log_softmax of
+                 both over every token, unchunked) + CE with the same weights; clip, AdamW.
+    lower_bound  the least compute the method needs: one no-grad teacher forward over the whole sequence (logits
+                 only at the continuation) + one student forward and backward over the continuation tokens alone
+                 (no prefix cache) with a plain CE; clip, AdamW.
+
+    Time: interleaved repeats in one process after a warm-up round, medians; throughput counts real continuation
+    tokens (no padding). Memory: each variant in a fresh process, two steps (the second one with optimizer state).
+    `peak_total` is the peak RSS (GPU: max_memory_allocated) of the whole process after the teacher was built: the
+    interpreter, torch and the teacher's weights, which every variant holds alike, plus the rest.
+    `peak_extra_over_teacher_weights` = peak - memory right after the teacher was built: everything the variant
+    adds on top of the one copy of the teacher it cannot do without, i.e. the naive student's second (pruned) weight
+    copy, trainable tensors, optimizer state, caches, logits, activations and loss intermediates. This is the fair
+    basis of the memory target (the fixed part would make any two variants look alike); `models_extra` is the part of
+    it that exists before the first step (the naive student's copy; ours: the small trainable children).
+    """
+    import subprocess
+
+    device = torch.device(args.device)
+    a = {k: getattr(args, k) for k in ("model_type", "hidden", "layers", "experts", "top_k", "moe_intermediate",
+                                       "vocab", "batch", "seq", "prune_ratio", "loss_top_k", "chunk", "seed")}
+    a["device"] = str(device)
+    memory = {}
+    for variant in TRAIN_VARIANTS:
+        code = (f"import json; from slimwise_train.bench import _train_memory_child as f; "
+                f"print(json.dumps(f({variant!r}, {a!r})))")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"bench train memory ({variant}) failed: {proc.stderr.strip().splitlines()[-3:]}")
+        memory[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+    steps, stats = _train_build(a, device, TRAIN_VARIANTS)
+    times = interleaved_times(steps, args.repeats, 1, device)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = stats["cont_tokens"]
+    throughput = {k: tokens / v for k, v in med.items()}
+    speedup = throughput["ours"] / throughput["naive"]
+    over_lower = med["ours"] / med["lower_bound"]
+    extra = {k: v["peak_extra_over_teacher_weights"] for k, v in memory.items()}
+    mem_ratio = extra["ours"] / extra["naive"]
+    mib = 1 / 2**20
+    return {
+        "bench": "train",
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "model": f"{args.model_type} L{args.layers} H{args.hidden} E{args.experts} top{args.top_k} "
+                 f"I{args.moe_intermediate} V{args.vocab}",
+        "prune_ratio": args.prune_ratio,
+        "batch": args.batch,
+        "seq": args.seq,
+        "tokens": stats,
+        "step_s": {k: round(v, 4) for k, v in med.items()},
+        "cont_tokens_per_s": {k: round(v, 2) for k, v in throughput.items()},
+        "ours_over_naive_throughput": round(speedup, 3),
+        "ours_over_lower_bound_time": round(over_lower, 3),
+        "memory_metric": memory["ours"]["metric"],
+        "peak_total_mib": {k: round(v["peak_total"] * mib, 1) for k, v in memory.items()},
+        "peak_extra_over_teacher_weights_mib": {k: round(v * mib, 1) for k, v in extra.items()},
+        "models_extra_mib": {k: round(v["models_extra"] * mib, 1) for k, v in memory.items()},
+        "ours_over_naive_peak_extra": round(mem_ratio, 3),
+        "ours_over_naive_peak_total": round(memory["ours"]["peak_total"] / memory["naive"]["peak_total"], 3),
+        "targets": {"ours_over_naive_throughput_min": 1.3, "ours_over_naive_peak_extra_max": 0.6,
+                    "ours_over_lower_bound_time_max": 1.15},
+        "targets_met": {"throughput": speedup >= 1.3, "memory": mem_ratio <= 0.6, "lower_bound": over_lower <= 1.15},
+        "repeats": args.repeats,
+        "ratio": round(speedup, 3),
+    }
+
+
+BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train}
 
 
 def main(argv=None) -> int:
@@ -335,6 +618,13 @@ def main(argv=None) -> int:
     decode.add_argument("--batches", default="1,8,32,64")
     decode.add_argument("--ratios", default="0.25,0.5,0.75")
     decode.add_argument("--prompt", type=int, default=256)
+    train = sub.add_parser("train", help="distillation step: ours vs naive two-copy step vs lower bound; memory")
+    _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
+                repeats=3)
+    train.add_argument("--prune-ratio", type=float, default=0.5, help="share of routed experts removed per layer")
+    train.add_argument("--loss-top-k", type=int, default=64, help="distill.top_k of the KL")
+    train.add_argument("--chunk", type=int, default=1024, help="distill.chunk_size of the loss")
+    train.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     result = BENCHES[args.name](args)

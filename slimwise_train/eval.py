@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -28,10 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from slimwise_train.config import register_configs, to_container
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.cli import user_errors
 
 log = logging.getLogger("slimwise.eval")
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 LOGGERS = ("none", "wandb")
 
 
@@ -170,12 +169,8 @@ register_configs()
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base=None)
 def main(cfg: DictConfig) -> None:
     du.init_if_launched()
-    try:
+    with user_errors("slimwise_train.eval"):
         run_eval(cfg)
-    except USER_ERRORS as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"slimwise_train.eval: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

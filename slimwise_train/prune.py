@@ -19,8 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import sys
 from pathlib import Path
 
 import hydra
@@ -29,10 +27,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from slimwise_train.config import register_configs, to_container
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.cli import user_errors
 
 log = logging.getLogger("slimwise.prune")
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 
 
 def validate_prune_config(prune_cfg) -> None:
@@ -172,12 +170,8 @@ register_configs()
 @hydra.main(config_path=CONF_DIR, config_name="prune", version_base=None)
 def main(cfg: DictConfig) -> None:
     du.init_if_launched()
-    try:
+    with user_errors("slimwise_train.prune"):
         run_prune(cfg)
-    except USER_ERRORS as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"slimwise_train.prune: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ import hydra
 from omegaconf import DictConfig
 
 from slimwise_train.config import register_configs
-from slimwise_train.prune import CONF_DIR, USER_ERRORS
+from slimwise_train.prune import CONF_DIR
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.cli import user_errors
 
 log = logging.getLogger("slimwise.train")
 
@@ -45,11 +46,8 @@ def main(cfg: DictConfig) -> None:
     du.init_if_launched(cfg.engine.backend)
     _quiet_other_ranks()
     try:
-        run_train(cfg)
-    except USER_ERRORS as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"slimwise_train: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        with user_errors("slimwise_train"):
+            run_train(cfg)
     except NonFiniteLossError as exc:
         print(f"slimwise_train: error: {exc}", file=sys.stderr)
         raise SystemExit(3) from None

@@ -7,9 +7,8 @@ excluded before selection; tests check that with nothing removed it reproduces t
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from slimwise_train.adapters.base import MoEAdapter, MoELayer, RouterOutput, softmax_topk_route
+from slimwise_train.adapters.base import MoEAdapter, MoELayer, softmax_topk_route
 
 
 class SoftmaxTopKAdapter(MoEAdapter):
