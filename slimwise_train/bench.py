@@ -380,12 +380,19 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
     cfg = _train_cfg(args)
     d = cfg.distill
 
-    # One batch from the trainer's own data plan: `batch` sequences of `seq` random tokens, one split point each
-    # (s ~ U{1..seq-2}, the default SplitRule); a one-batch plan without shuffling repeats it at every step.
+    # One batch from the trainer's own data plan: `batch` sequences of `seq` random tokens; a one-batch plan without
+    # shuffling repeats it at every step. split="random": the trainer's default rule, s ~ U{1..seq-2} per row (a
+    # batch of few rows can land far from the mean). A fraction f: every row split at s = f * seq, by the rule with
+    # min_split = s and min_continuation = seq - s (so lo = hi = s); 0.5 is the mean of the default rule, and equal
+    # splits are what length bucketing (bucket_windows) approximates in training.
     g = torch.Generator().manual_seed(args["seed"])
     pad = int(teacher.config.pad_token_id or 0)
     seqs = [(torch.randint(3, args["vocab"], (args["seq"],), generator=g).tolist(), 0) for _ in range(args["batch"])]
-    rule = B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
+    if args["split"] == "random":
+        rule = B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
+    else:
+        at = min(max(round(float(args["split"]) * args["seq"]), 1), args["seq"] - 2)
+        rule = B.SplitRule(min_split=at, min_continuation=args["seq"] - at)
     plan = B.DataPlan(seqs, rule, args["batch"], data_seed=0, split_seed=args["seed"], bucket_windows=1, shuffle=False)
     indices, splits = plan.step_batch(0)
     batch = B.continuation_batch([seqs[i] for i in indices], splits, pad).to(device)
@@ -532,6 +539,10 @@ def run_train(args) -> dict:
                  only at the continuation) + one student forward and backward over the continuation tokens alone
                  (no prefix cache) with a plain CE; clip, AdamW.
 
+    All three run the same batch from the trainer's DataPlan (`--split`: every row split at that fraction of
+    `--seq`, default the mean split 0.5, or the trainer's random split points) and the same AdamW settings; the
+    loss knobs are distill.top_k / chunk_size (`--loss-top-k`, `--chunk`, defaults of the real config).
+
     Time: interleaved repeats in one process after a warm-up round, medians; throughput counts real continuation
     tokens (no padding). Memory: each variant in a fresh process, two steps (the second one with optimizer state).
     `peak_total` is the peak RSS (GPU: max_memory_allocated) of the whole process after the teacher was built: the
@@ -546,7 +557,7 @@ def run_train(args) -> dict:
 
     device = torch.device(args.device)
     a = {k: getattr(args, k) for k in ("model_type", "hidden", "layers", "experts", "top_k", "moe_intermediate",
-                                       "vocab", "batch", "seq", "prune_ratio", "loss_top_k", "chunk", "seed")}
+                                       "vocab", "batch", "seq", "prune_ratio", "loss_top_k", "chunk", "split", "seed")}
     a["device"] = str(device)
     memory = {}
     for variant in TRAIN_VARIANTS:
@@ -575,6 +586,7 @@ def run_train(args) -> dict:
         "prune_ratio": args.prune_ratio,
         "batch": args.batch,
         "seq": args.seq,
+        "split": args.split,
         "tokens": stats,
         "step_s": {k: round(v, 4) for k, v in med.items()},
         "cont_tokens_per_s": {k: round(v, 2) for k, v in throughput.items()},
@@ -624,6 +636,8 @@ def main(argv=None) -> int:
     train.add_argument("--prune-ratio", type=float, default=0.5, help="share of routed experts removed per layer")
     train.add_argument("--loss-top-k", type=int, default=64, help="distill.top_k of the KL")
     train.add_argument("--chunk", type=int, default=1024, help="distill.chunk_size of the loss")
+    train.add_argument("--split", default="0.5",
+                       help="split point as a fraction of --seq for every row, or 'random' (s ~ U{1..seq-2} per row)")
     train.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))

@@ -15,6 +15,7 @@ TINY = {
     "phase": MODEL,
     "loss": ["--tokens", "64", "--vocab", "500", "--top-k", "16", "--chunk", "16", "--time-tokens", "32", "--repeats", "2"],
     "decode": [*MODEL, "--batches", "1,4", "--prompt", "8"],
+    "train": [*MODEL, "--loss-top-k", "8", "--chunk", "8"],
 }
 
 
