@@ -436,3 +436,113 @@ def test_standalone_losses_validate_too():
         topk_residual_kl(s, torch.zeros(4, 10), top_k=-3)
     with pytest.raises(ValueError, match="labels are required"):
         cross_entropy(s)
+
+
+# --------------------------------------------------------------------------------------
+# Fused analytic gradient: each differentiable output on its own, upstream scaling, saved state
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,k", [("topk_residual_kl", 6), ("topk_residual_kl", 200), ("full_kl", 6), ("ce", 6)])
+def test_each_registry_sum_backpropagates_its_own_gradient(name, k):
+    student, teacher, labels = make_inputs(13, 83, seed=101)
+    s = student.clone().requires_grad_(True)
+    get_loss(name)(s, teacher, labels, top_k=k, chunk_size=4).sum.backward()
+    s_ref = student.double().clone().requires_grad_(True)
+    kl_ref, ce_ref, _ = ref_sums(s_ref, teacher, labels, None if name == "full_kl" else k)
+    (ce_ref if name == "ce" else kl_ref).backward()
+    torch.testing.assert_close(s.grad.double(), s_ref.grad, **GRAD_TOL)
+
+
+def test_any_combination_of_sums_and_upstream_scale():
+    student, teacher, labels = make_inputs(16, 71, seed=103)
+    s = student.clone().requires_grad_(True)
+    ce = cross_entropy(s, teacher, labels, chunk_size=5).sum
+    kl = topk_residual_kl(s, teacher, labels, top_k=9, chunk_size=5).sum
+    (-0.4 * ce + 2.5 * kl).backward()
+    s_ref = student.double().clone().requires_grad_(True)
+    kl_ref, ce_ref, _ = ref_sums(s_ref, teacher, labels, 9)
+    (-0.4 * ce_ref + 2.5 * kl_ref).backward()
+    torch.testing.assert_close(s.grad.double(), s_ref.grad, **GRAD_TOL)
+
+    # A non-unit upstream gradient and a retained graph backpropagated twice (grads accumulate).
+    s2 = student.clone().requires_grad_(True)
+    loss = distill_loss(s2, teacher, labels, top_k=9, chunk_size=5)["loss"]
+    (3.0 * loss).backward(retain_graph=True)
+    loss.backward()
+    s3 = student.clone().requires_grad_(True)
+    distill_loss(s3, teacher, labels, top_k=9, chunk_size=5)["loss"].backward()
+    torch.testing.assert_close(s2.grad, 4.0 * s3.grad, **GRAD_TOL)
+
+
+def test_batched_shape_gradient_equals_flat():
+    student, teacher, labels = make_inputs(24, 50, seed=107)
+    grads = []
+    for shape in ((24, 50), (4, 6, 50)):
+        s = student.clone().view(shape).requires_grad_(True)
+        distill_loss(s, teacher.view(shape), labels.view(shape[:-1]), top_k=6, chunk_size=5)["loss"].backward()
+        assert s.grad.shape == shape
+        grads.append(s.grad.reshape(24, 50))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_student_residual_far_below_fp32_range_value_and_gradient():
+    # S_res ~ e^-120 (far below fp32's smallest normal) while the teacher keeps a few percent
+    # outside K: the loss is large but finite, and the residual term's gradient on the
+    # complement, -T_res * S_j / S_res, is O(1) and must not underflow to 0.
+    n, vocab, k = 6, 200, 8
+    student, teacher, _ = make_inputs(n, vocab, seed=109)
+    top = teacher.topk(k, dim=-1).indices
+    student = student.scatter(-1, top, 120.0)
+    s = student.clone().requires_grad_(True)
+    out = topk_residual_kl(s, teacher, None, top_k=k, chunk_size=4)  # every row valid
+    out.sum.backward()
+
+    # Analytic float64 reference with complement logsumexps (1 - sum_K S_i would round to 0).
+    z, t = student.double(), teacher.double()
+    in_k = torch.zeros(n, vocab, dtype=torch.bool).scatter(-1, top, True)
+    lse_s, lse_t = z.logsumexp(-1, keepdim=True), t.logsumexp(-1, keepdim=True)
+    lse_sc = z.masked_fill(in_k, float("-inf")).logsumexp(-1, keepdim=True)
+    lse_tc = t.masked_fill(in_k, float("-inf")).logsumexp(-1, keepdim=True)
+    log_s, log_t = z - lse_s, t - lse_t
+    t_res, log_t_res, log_s_res = (lse_tc - lse_t).exp(), lse_tc - lse_t, lse_sc - lse_s
+    kl = (log_t.exp() * (log_t - log_s)).masked_fill(~in_k, 0.0).sum() + (t_res * (log_t_res - log_s_res)).sum()
+    grad = torch.where(in_k, log_s.exp() - log_t.exp(), log_s.exp() - t_res * (z - lse_sc).exp())
+    torch.testing.assert_close(out.sum.double(), kl, **TOL)
+    torch.testing.assert_close(s.grad.double(), grad, **GRAD_TOL)
+    assert s.grad.masked_select(~in_k).abs().max() > 1e-3
+
+
+def test_saved_state_is_per_row_not_per_vocab_entry():
+    # Besides the caller's own logits (fp32 here, so no conversion copy either), autograd keeps
+    # only per-row statistics: no [N, V] gradient buffer or fp32 intermediate between forward and
+    # backward, for every mode.
+    n, vocab, k = 12, 5000, 16
+    student, teacher, labels = make_inputs(n, vocab, seed=113)
+    for fn in (lambda s: distill_loss(s, teacher, labels, top_k=k, chunk_size=5)["loss"],
+               lambda s: full_kl(s, teacher, labels, chunk_size=5).sum,
+               lambda s: cross_entropy(s, teacher, labels, chunk_size=5).sum):
+        s = student.clone().requires_grad_(True)
+        own = {s.untyped_storage().data_ptr(), teacher.untyped_storage().data_ptr()}
+        foreign = []
+
+        def pack(x):
+            if x.untyped_storage().data_ptr() not in own:
+                foreign.append(x.numel())
+            return x
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            loss = fn(s)
+        assert sum(foreign) <= n * (2 * k + 8), foreign
+        loss.backward()
+        assert torch.isfinite(s.grad).all()
+
+
+def test_bf16_gradient_matches_fp32_gradient():
+    student, teacher, labels = make_inputs(15, 120, seed=127)
+    s16 = student.bfloat16().requires_grad_(True)
+    distill_loss(s16, teacher.bfloat16(), labels, top_k=10, chunk_size=4)["loss"].backward()
+    s32 = student.bfloat16().float().requires_grad_(True)
+    distill_loss(s32, teacher.bfloat16().float(), labels, top_k=10, chunk_size=4)["loss"].backward()
+    assert s16.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(s16.grad.float(), s32.grad.bfloat16().float())

@@ -15,17 +15,20 @@ Shapes (leading dims are flattened, so ``[B, T, V]`` logits with ``[B, T]`` labe
 Valid positions are ``labels != ignore_index`` (all positions if labels is None for the KL
 losses), AND-ed with ``mask`` when given. Invalid positions contribute to no term, not to
 the count and get exactly zero gradient, even when their logits are NaN/inf (some attention
-kernels produce NaN on fully masked padding rows; we overwrite those rows before softmax).
+kernels produce NaN on fully masked padding rows; their per-row results are selected away,
+never multiplied, and their gradient rows are overwritten with zeros).
 
-Memory: tokens are processed in chunks of ``chunk_size`` rows, so only about one chunk of
-``[chunk_size, V]`` fp32 temporaries is alive at a time (a few of them, roughly 4-6 x
-chunk_size x V x 4 bytes; 1024 x 151936 fp32 is ~0.6 GB each). When the student needs
-gradients each chunk runs under non-reentrant ``torch.utils.checkpoint``: the forward keeps
-only the chunk's inputs (views into the caller's logits, no copies) and the scalar outputs;
-the backward recomputes one chunk's fp32 intermediates at a time and frees them before the
-next chunk. The price is running the loss forward twice, which is cheap next to the model.
-The gradient w.r.t. the student logits itself is a full ``[N, V]`` tensor in the student's
-dtype; that is inherent unless the loss is fused with the lm_head.
+Speed and memory: CE and KL are one fused ``torch.autograd.Function`` with an analytic
+gradient (no autograd graph over the vocabulary, no recompute). The forward walks the rows in
+blocks (``chunk_size`` rows on accelerators; on CPU fewer, ~4 MiB of fp32, so the block stays
+in cache) through ONE reused fp32 scratch block of ``[rows, V]`` (two for the full KL): the
+teacher's top-k and complement logsumexp, then the student's. It keeps for backward only the
+caller's student logits (a view, no copy; plus the teacher's for the full KL) and per-row
+statistics (logsumexps, the teacher's top-k indices and probabilities, T_res, S_res). The
+backward makes one pass over the student logits per block and writes the gradient straight
+into the ``[N, V]`` result in the student's dtype; that gradient is the only ``[N, V]``-sized
+allocation (inherent unless the loss is fused with the lm_head). ``ce_sum`` and ``kl_sum`` each
+carry their own gradient, so any combination of them backpropagates exactly.
 
 Pass logits as produced (contiguous) and shift the LABELS, not the logits: slicing the
 logits (``logits[:, :-1]``) makes them non-contiguous and the flattening below then copies
@@ -38,7 +41,7 @@ from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 __all__ = [
     "IGNORE_INDEX",
@@ -160,87 +163,203 @@ def _prepare(
 
 
 # --------------------------------------------------------------------------------------
-# Per-chunk kernel
+# Fused kernel: forward sums + analytic gradient
 # --------------------------------------------------------------------------------------
 
 _NEG_INF = float("-inf")
 
+# On CPU the rows are processed in blocks of about this many elements (4 MiB of fp32), so a
+# block's scratch stays in cache, is reused across blocks (no page faults from fresh large
+# allocations) and each elementwise pass costs ~nothing in memory traffic. On accelerators a
+# block is the caller's chunk_size (fewer, larger kernels).
+_CPU_BLOCK_ELEMENTS = 1 << 20
+
+
+def _block_rows(device: torch.device, vocab: int, chunk_size: int) -> int:
+    if device.type == "cpu":
+        return max(1, min(chunk_size, _CPU_BLOCK_ELEMENTS // max(vocab, 1)))
+    return chunk_size
+
 
 def _xlogx_ratio(p: Tensor, log_p: Tensor, log_q: Tensor) -> Tensor:
-    """p * (log_p - log_q) with the convention 0 * log 0 = 0 (also when log_q = -inf).
-
-    The double ``where`` keeps the unselected branch finite so no NaN leaks into backward.
-    """
+    """p * (log_p - log_q) with the convention 0 * log 0 = 0 (also when log_q = -inf)."""
     pos = p > 0
     diff = torch.where(pos, log_p - log_q, torch.zeros_like(log_p))
     return torch.where(pos, p * diff, torch.zeros_like(p))
 
 
-def _chunk_sums(
-    s_chunk: Tensor,
-    t_chunk: Tensor | None,
-    labels_chunk: Tensor,
-    valid_chunk: Tensor,
-    kl_mode: str,
-    top_k: int,
-    want_ce: bool,
-) -> Tensor:
-    """Loss sums over one chunk of rows.
+def _lse_(x: Tensor) -> Tensor:
+    """Row logsumexp of an fp32 scratch tensor [C, V], overwriting it. All -inf rows give -inf."""
+    m = x.amax(-1, keepdim=True)
+    m = m.masked_fill(~torch.isfinite(m), 0.0)  # all -inf rows (and inf/NaN padding rows)
+    x.sub_(m).exp_()
+    return x.sum(-1).log_().add_(m.squeeze(-1))
 
-    s_chunk [C, V], t_chunk [C, V] or None, labels_chunk [C] int64 (already safe),
-    valid_chunk [C] bool. kl_mode is "none", "full" or "topk".
-    Returns [4] fp32: (ce_sum, kl_sum, teacher_residual_sum, student_residual_sum).
+
+class _FusedDistill(torch.autograd.Function):
+    """CE and/or KL(T || S) sums over the valid rows, with an analytic gradient.
+
+    forward(student [N, V], teacher [N, V] | None, safe_labels [N], valid [N], kl_mode, top_k,
+    want_ce, chunk_size) -> (ce_sum, kl_sum, teacher_residual_sum, student_residual_sum), fp32.
+    ce_sum and kl_sum are differentiable w.r.t. student (each with its own gradient, so any
+    combination of them backpropagates correctly); the residual sums are not.
+
+    The forward keeps, besides the caller's student logits themselves (and the teacher's for the
+    full KL), only per-row statistics: the student's logsumexp and, for the top-k KL, the
+    teacher's top-k indices and probabilities, T_res, S_res and the logsumexp of the student's
+    complement. No [N, V] intermediate lives between forward and backward and nothing is
+    recomputed: the backward makes ONE pass over the student logits per block and writes
+        d/dz_j = w S_j - g_kl T_j                        (j in K, or every j for the full KL)
+        d/dz_j = (w S_res - g_kl T_res) * q_j            (j not in K; q_j = S_j / S_res)
+        d/dz_label -= g_ce,           w = g_ce + g_kl,   invalid rows: 0
+    where g_ce, g_kl are the incoming gradients of ce_sum and kl_sum. q_j = exp(z_j - lse of the
+    complement) is exact even when S_res underflows, so the residual term's gradient is too.
     """
-    invalid = ~valid_chunk[:, None]
-    # fp32 softmax. masked_fill makes invalid rows a harmless uniform distribution (their
-    # logits may be NaN/inf on padding) and gives them exactly zero gradient.
-    s = s_chunk.float().masked_fill(invalid, 0.0)
-    s_lse = torch.logsumexp(s, dim=-1)  # [C]
-    zero_rows = torch.zeros_like(s_lse)
 
-    if want_ce:
-        target = s.gather(-1, labels_chunk[:, None]).squeeze(-1)
-        ce_rows = torch.where(valid_chunk, s_lse - target, zero_rows)
-    else:
-        ce_rows = zero_rows
+    @staticmethod
+    def forward(ctx, student, teacher, safe_labels, valid, kl_mode, top_k, want_ce, chunk_size):
+        n, vocab = student.shape
+        device = student.device
+        f32 = torch.float32
+        topk = kl_mode == "topk" and top_k < vocab
+        full = kl_mode != "none" and not topk  # k >= V: no residual bucket, exactly the full KL
+        rows = _block_rows(device, vocab, chunk_size)
 
-    kl_rows = zero_rows
-    t_res_rows = zero_rows
-    s_res_rows = zero_rows
-    if kl_mode != "none":
-        assert t_chunk is not None
-        t = t_chunk.float().masked_fill(invalid, 0.0)
-        t_lse = torch.logsumexp(t, dim=-1)  # [C]
-        vocab = s.shape[-1]
-        if kl_mode == "full" or top_k >= vocab:
-            # k >= V: the residual bucket is empty and the loss is exactly the full KL.
-            log_t = t - t_lse[:, None]
-            log_s = s - s_lse[:, None]
-            kl_rows = _xlogx_ratio(log_t.exp(), log_t, log_s).sum(-1)
+        zeros = torch.zeros(n, dtype=f32, device=device)
+        lse_s = torch.empty(n, dtype=f32, device=device)
+        ce_rows = torch.empty(n, dtype=f32, device=device) if want_ce else zeros
+        kl_rows = torch.empty(n, dtype=f32, device=device) if kl_mode != "none" else zeros
+        t_res_rows, s_res_rows = zeros, zeros
+        if topk:
+            idx = torch.empty(n, top_k, dtype=torch.long, device=device)
+            t_k = torch.empty(n, top_k, dtype=f32, device=device)
+            lse_sc = torch.empty(n, dtype=f32, device=device)
+            t_res_rows = torch.empty(n, dtype=f32, device=device)
+            s_res_rows = torch.empty(n, dtype=f32, device=device)
+        if full:
+            lse_t = torch.empty(n, dtype=f32, device=device)
+
+        ws = torch.empty(min(rows, n), vocab, dtype=f32, device=device)  # fp32 scratch block
+        ws2 = torch.empty_like(ws) if full else None
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
+            w = ws[: r1 - r0]
+            z = student[r0:r1]
+            lab = safe_labels[r0:r1, None]
+            if topk:
+                # Teacher: top-k, then the logsumexp of its complement (top-k set to -inf). Unlike
+                # log1p(-sum_K p), log R = lse(x[~K]) - lse(x) has no cancellation when the
+                # residual is tiny (peaked teacher, or a student with nearly all mass on K).
+                w.copy_(teacher[r0:r1])
+                tk, ik = w.topk(top_k, dim=-1, sorted=False)
+                w.scatter_(-1, ik, _NEG_INF)
+                t_lse_c = _lse_(w)
+                t_lse = torch.logaddexp(torch.logsumexp(tk, -1), t_lse_c)
+                log_t_k = tk - t_lse[:, None]
+                log_t_res = t_lse_c - t_lse
+                p_k = log_t_k.exp()
+                t_res = log_t_res.exp()
+                # Student: same split over the teacher's K.
+                w.copy_(z)
+                zk = w.gather(-1, ik)
+                if want_ce:
+                    z_label = w.gather(-1, lab).squeeze(-1)
+                w.scatter_(-1, ik, _NEG_INF)
+                s_lse_c = _lse_(w)
+                s_lse = torch.logaddexp(torch.logsumexp(zk, -1), s_lse_c)
+                log_s_res = s_lse_c - s_lse
+                kl = _xlogx_ratio(p_k, log_t_k, zk - s_lse[:, None]).sum(-1)
+                kl_rows[r0:r1] = kl + _xlogx_ratio(t_res, log_t_res, log_s_res)
+                idx[r0:r1] = ik
+                t_k[r0:r1] = p_k
+                # A complement that is all -inf has no gradient; keep the backward's shift finite.
+                lse_sc[r0:r1] = s_lse_c.masked_fill(s_lse_c == _NEG_INF, 0.0)
+                t_res_rows[r0:r1] = t_res
+                s_res_rows[r0:r1] = log_s_res.exp()
+            else:
+                w.copy_(z)
+                if want_ce:
+                    z_label = w.gather(-1, lab).squeeze(-1)
+                s_lse = _lse_(w)
+                if full:
+                    w2 = ws2[: r1 - r0]
+                    w2.copy_(teacher[r0:r1])
+                    t_lse = _lse_(w2)
+                    torch.sub(teacher[r0:r1], t_lse[:, None], out=w2)  # log T
+                    torch.sub(z, s_lse[:, None], out=w)  # log S
+                    torch.sub(w2, w, out=w)  # log T - log S
+                    w2.exp_()  # T
+                    w.mul_(w2).masked_fill_(w2 == 0, 0.0)  # 0 log 0 = 0
+                    kl_rows[r0:r1] = w.sum(-1)
+                    lse_t[r0:r1] = t_lse
+            lse_s[r0:r1] = s_lse
+            if want_ce:
+                ce_rows[r0:r1] = s_lse - z_label
+        del ws, ws2
+
+        def total(x: Tensor) -> Tensor:  # invalid rows may hold NaN/inf: select, never multiply
+            return torch.where(valid, x, zeros).sum()
+
+        out = (total(ce_rows), total(kl_rows), total(t_res_rows), total(s_res_rows))
+        ctx.mark_non_differentiable(out[2], out[3])
+        ctx.meta = (kl_mode, topk, full, want_ce, rows)
+        if topk:
+            ctx.save_for_backward(student, safe_labels, valid, lse_s, idx, t_k, lse_sc, t_res_rows, s_res_rows)
+        elif full:
+            ctx.save_for_backward(student, safe_labels, valid, lse_s, teacher, lse_t)
         else:
-            t_top, idx = t.topk(top_k, dim=-1, sorted=False)  # [C, k]
-            log_t_k = t_top - t_lse[:, None]
-            log_s_k = s.gather(-1, idx) - s_lse[:, None]
-            kl_rows = _xlogx_ratio(log_t_k.exp(), log_t_k, log_s_k).sum(-1)
-            # Residual bucket via the logsumexp of the complement logits (top-k set to -inf)
-            # minus the full logsumexp: log R = lse(x[~K]) - lse(x). Unlike log1p(-sum_K p)
-            # this has no cancellation when the residual mass is tiny (peaked teacher, or a
-            # student that already puts nearly all mass on K), and it is exact in fp32.
-            # T_res = 0 (teacher complement all -inf) is handled by 0 log 0 = 0 in
-            # _xlogx_ratio. The student's complement is never all -inf for finite student
-            # logits, so its backward is finite.
-            log_t_res = torch.logsumexp(t.scatter(-1, idx, _NEG_INF), dim=-1) - t_lse
-            log_s_res = torch.logsumexp(s.scatter(-1, idx, _NEG_INF), dim=-1) - s_lse
-            t_res = log_t_res.exp()
-            kl_rows = kl_rows + _xlogx_ratio(t_res, log_t_res, log_s_res)
-            t_res_rows = torch.where(valid_chunk, t_res, zero_rows).detach()
-            s_res_rows = torch.where(valid_chunk, log_s_res.exp(), zero_rows).detach()
-        kl_rows = torch.where(valid_chunk, kl_rows, zero_rows)
+            ctx.save_for_backward(student, safe_labels, valid, lse_s)
+        return out
 
-    return torch.stack([ce_rows.sum(), kl_rows.sum(), t_res_rows.sum(), s_res_rows.sum()])
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_ce, g_kl, _g_t_res, _g_s_res):
+        kl_mode, topk, full, want_ce, rows = ctx.meta
+        student, safe_labels, valid, lse_s, *rest = ctx.saved_tensors
+        n, vocab = student.shape
+        g_ce = g_ce.float() if want_ce else torch.zeros((), dtype=torch.float32, device=student.device)
+        g_kl = g_kl.float() if kl_mode != "none" else torch.zeros_like(g_ce)
+        wt = g_ce + g_kl  # weight of S_j in the gradient of the combination
+        grad = torch.empty(student.shape, dtype=student.dtype, device=student.device)
+        in_place = student.dtype == torch.float32
+        on_cpu = student.device.type == "cpu"
+        ws = None if in_place or n == 0 else torch.empty(min(rows, n), vocab, dtype=torch.float32,
+                                                         device=student.device)
+        ws2 = torch.empty(min(rows, n), vocab, dtype=torch.float32, device=student.device) if full and n else None
+        if topk:
+            idx, t_k, lse_sc, t_res, s_res = rest
+            factor = wt * s_res - g_kl * t_res  # [N]: gradient of the complement is factor * q_j
+        elif full:
+            teacher, lse_t = rest
+        for r0 in range(0, n, rows):
+            r1 = min(r0 + rows, n)
+            z = student[r0:r1]
+            out = grad[r0:r1] if in_place else ws[: r1 - r0]
+            if topk:
+                ik = idx[r0:r1]
+                s_k = (z.gather(-1, ik).float() - lse_s[r0:r1, None]).exp_()
+                torch.sub(z, lse_sc[r0:r1, None], out=out)
+                out.exp_().mul_(factor[r0:r1, None])
+                out.scatter_(-1, ik, s_k.mul_(wt).sub_(t_k[r0:r1] * g_kl))
+            else:
+                torch.sub(z, lse_s[r0:r1, None], out=out)
+                out.exp_().mul_(wt)
+                if full:
+                    w2 = ws2[: r1 - r0]
+                    torch.sub(teacher[r0:r1], lse_t[r0:r1, None], out=w2)
+                    out.sub_(w2.exp_().mul_(g_kl))
+            if want_ce:
+                out.scatter_add_(-1, safe_labels[r0:r1, None], (-g_ce).expand(r1 - r0, 1))
+            if not on_cpu:
+                out.masked_fill_(~valid[r0:r1, None], 0.0)  # padding rows (even NaN logits): exactly 0
+            if not in_place:
+                grad[r0:r1].copy_(out)
+        if on_cpu:  # same, but touching only the padding rows (a masked_fill pass costs ~10% on CPU)
+            grad.index_fill_(0, (~valid).nonzero().squeeze(-1), 0.0)
+        return grad, None, None, None, None, None, None, None
 
 
-def _chunked_sums(
+def _fused_sums(
     student: Tensor,
     teacher: Tensor | None,
     safe_labels: Tensor,
@@ -250,36 +369,12 @@ def _chunked_sums(
     top_k: int,
     want_ce: bool,
     chunk_size: int,
-) -> Tensor:
-    """Sum ``_chunk_sums`` over row chunks. Inputs are flattened [N, V] / [N]. Returns [4]."""
-    use_ckpt = torch.is_grad_enabled() and student.requires_grad
-    n = student.shape[0]
-    # torch.split (not per-chunk slicing) so the backward concatenates the chunk gradients
-    # once instead of materialising a zero-filled [N, V] gradient per chunk.
-    s_chunks = torch.split(student, chunk_size, dim=0)
-    t_chunks = torch.split(teacher, chunk_size, dim=0) if teacher is not None else [None] * len(s_chunks)
-    l_chunks = torch.split(safe_labels, chunk_size, dim=0)
-    v_chunks = torch.split(valid, chunk_size, dim=0)
-
-    total = torch.zeros(4, dtype=torch.float32, device=student.device)
-    if n == 0:
-        # Keep the result attached to the graph so backward() on an empty batch still works.
-        return total + student.float().sum() * 0.0
-    for s_c, t_c, l_c, v_c in zip(s_chunks, t_chunks, l_chunks, v_chunks):
-        if use_ckpt:
-            # Non-reentrant checkpoint saves only the inputs (views, no copies); the chunk's
-            # [C, V] fp32 intermediates are recomputed during backward, one chunk at a time.
-            part = checkpoint(
-                _chunk_sums, s_c, t_c, l_c, v_c, kl_mode, top_k, want_ce,
-                use_reentrant=False, preserve_rng_state=False,
-            )
-        else:
-            part = _chunk_sums(s_c, t_c, l_c, v_c, kl_mode, top_k, want_ce)
-        total = total + part
-    return total
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(ce_sum, kl_sum, teacher_residual_sum, student_residual_sum) over flattened inputs."""
+    return _FusedDistill.apply(student, teacher, safe_labels, valid, kl_mode, top_k, want_ce, chunk_size)
 
 
-def _as_loss_sums(total: Tensor, valid: Tensor, index: int) -> LossSums:
+def _as_loss_sums(total: tuple[Tensor, ...], valid: Tensor, index: int) -> LossSums:
     return LossSums(
         sum=total[index],
         count=valid.sum(),
@@ -313,7 +408,7 @@ def cross_entropy(
     student, _, safe_labels, valid = _prepare(
         student_logits, None, labels, mask, ignore_index, need_labels=True, need_teacher=False
     )
-    total = _chunked_sums(
+    total = _fused_sums(
         student, None, safe_labels, valid, kl_mode="none", top_k=1, want_ce=True, chunk_size=chunk_size
     )
     return _as_loss_sums(total, valid, 0)
@@ -339,7 +434,7 @@ def full_kl(
     student, teacher, safe_labels, valid = _prepare(
         student_logits, teacher_logits, labels, mask, ignore_index, need_labels=False, need_teacher=True
     )
-    total = _chunked_sums(
+    total = _fused_sums(
         student, teacher, safe_labels, valid, kl_mode="full", top_k=1, want_ce=False, chunk_size=chunk_size
     )
     return _as_loss_sums(total, valid, 1)
@@ -372,7 +467,7 @@ def topk_residual_kl(
     student, teacher, safe_labels, valid = _prepare(
         student_logits, teacher_logits, labels, mask, ignore_index, need_labels=False, need_teacher=True
     )
-    total = _chunked_sums(
+    total = _fused_sums(
         student, teacher, safe_labels, valid, kl_mode="topk", top_k=top_k, want_ce=False, chunk_size=chunk_size
     )
     return _as_loss_sums(total, valid, 1)
@@ -448,7 +543,7 @@ def distill_loss(
     student, teacher, safe_labels, valid = _prepare(
         student_logits, teacher_logits, labels, mask, ignore_index, need_labels=True, need_teacher=True
     )
-    total = _chunked_sums(
+    total = _fused_sums(
         student, teacher, safe_labels, valid,
         kl_mode=KL_LOSSES[kl_loss], top_k=top_k, want_ce=True, chunk_size=chunk_size,
     )
