@@ -20,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "outputs" / "demo"
-STEPS = int(os.environ.get("DEMO_STEPS", 300))
+STEPS = int(os.environ.get("DEMO_STEPS", 1000))
 EVAL_N = int(os.environ.get("DEMO_EVAL_N", 200))
 RATIO = os.environ.get("DEMO_RATIO", "0.5")
 TEACHER = os.environ.get("DEMO_TEACHER")  # another teacher folder (default: the shipped one)

@@ -170,7 +170,10 @@ def _loss_memory_child(variant: str, tokens: int, vocab: int, top_k: int, chunk:
     student = torch.randn(tokens, vocab, generator=g).requires_grad_(True)
     teacher = torch.randn(tokens, vocab, generator=g) * 2
     labels = torch.randint(0, vocab, (tokens,), generator=g)
-    before = _peak_rss_bytes()
+    # The peak so far includes randn's temporaries; reset it so only the loss's own allocations count
+    # (the student gradient, [N, V], is part of them).
+    reset = _reset_peak_rss()
+    before = _rss_now_bytes() if reset else _peak_rss_bytes()
     if variant == "topk_residual":
         out = distill_loss(student, teacher, labels, top_k=top_k, chunk_size=chunk)
         out["loss"].backward()
