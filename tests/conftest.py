@@ -21,3 +21,13 @@ def pytest_collection_modifyitems(config, items):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    # Every test runs tiny models: intra-op threads only add OpenMP contention, which made them up to 100x
+    # slower on a loaded 2-core machine. Subprocesses (torchrun, CLI tests) set their own threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

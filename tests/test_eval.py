@@ -42,13 +42,6 @@ PER_FAMILY = 4
 EOS_RATE = 0.07
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _compose(out, *overrides):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

@@ -38,14 +38,6 @@ KEPT = [[0, 2, 5, 7], [1, 3, 4, 6]]
 families = pytest.mark.parametrize("model_type", SUPPORTED_TINY)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: intra-op threads only add OpenMP contention (100x slower on a loaded 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _ids(batch=2, length=12, seed=0):
     return torch.randint(3, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))

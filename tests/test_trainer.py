@@ -34,14 +34,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models: intra-op threads only add OpenMP contention (100x slower on a loaded 2-core machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def make_cfg(output_dir, *overrides):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
