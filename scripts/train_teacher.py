@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from slimwise_train.data import synthetic  # noqa: E402
-from slimwise_train.handoff import handoff_generate  # noqa: E402
+from slimwise_train.evaluation import build_problems, family_budgets, greedy_accuracy  # noqa: E402
 from slimwise_train.utils.atomic import atomic_dir  # noqa: E402
 
 TOKENIZER = REPO / "slimwise_train" / "assets" / "tokenizer"
@@ -91,38 +91,6 @@ def batches(tokenizer, args, exclude):
             yield ids, mask, labels
 
 
-@torch.no_grad()
-def evaluate(model, tokenizer, problems, batch_size=64):
-    """Greedy exact match per family on held-out problems; also median output length."""
-    model.eval()
-    per_family = {}
-    for family, items in problems.items():
-        correct, lengths = 0, []
-        for start in range(0, len(items), batch_size):
-            chunk = items[start : start + batch_size]
-            prompts = [synthetic.to_text(e)[0] for e in chunk]
-            enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt")
-            budget = args_budget(family)
-            out = handoff_generate(model, model, enc["input_ids"], enc["attention_mask"], budget,
-                                   eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-            for row, example in enumerate(chunk):
-                n = int(out.lengths[row])
-                ended = bool(out.ended[row])
-                text = tokenizer.decode(out.tokens[row, : n - 1 if ended else n])
-                correct += synthetic.check(family, example.prompt, text, ended=ended)
-                lengths.append(n)
-        per_family[family] = {"accuracy": correct / len(items), "median_length": sorted(lengths)[len(lengths) // 2]}
-    model.train()
-    return per_family
-
-
-_BUDGETS = {}
-
-
-def args_budget(family):
-    return _BUDGETS[family]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "slimwise_train" / "assets" / "teacher"))
@@ -153,12 +121,11 @@ def main(argv=None):
     num_params = sum(p.numel() for p in model.parameters())
     print(f"teacher: {num_params:,} parameters; {args.experts} experts top-{args.top_k}, aux {args.aux}", flush=True)
 
-    heldout = {f: synthetic.heldout(f, args.final_eval, seed=0) for f in synthetic.FAMILIES}
-    exclude = frozenset(e.prompt for items in heldout.values() for e in items)
-    for family, items in heldout.items():
-        longest = max(len(encode(tokenizer, e)[1]) for e in items)
-        _BUDGETS[family] = 2 * longest
-    probe = {f: items[: args.eval_n] for f, items in heldout.items()}
+    # The recipe's held-out split (eval seed 0): training never sees these prompts.
+    heldout = build_problems(tokenizer, synthetic.FAMILIES, args.final_eval)
+    exclude = frozenset(p.prompt for p in heldout)
+    budgets = family_budgets(heldout)  # 2x the longest reference answer (incl. EOS) per family
+    probe = [p for f in synthetic.FAMILIES for p in [q for q in heldout if q.family == f][: args.eval_n]]
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
     budget_s = args.minutes * 60
@@ -197,7 +164,9 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
             window = {"ce": 0.0, "aux": 0.0, "n": 0}
         if elapsed >= next_eval:
-            result = evaluate(model, tokenizer, probe)
+            model.eval()
+            result = greedy_accuracy(model, tokenizer, probe, budgets)
+            model.train()
             entry = {"minute": round((time.time() - start) / 60, 2), "step": step,
                      **{f: r["accuracy"] for f, r in result.items()}}
             log["evals"].append(entry)
@@ -207,10 +176,11 @@ def main(argv=None):
                 stop_reason = f"every family >= {args.target} on {args.eval_n} held-out problems"
                 break
     train_s = time.time() - start
-    final = evaluate(model, tokenizer, heldout)
+    model.eval()
+    final = greedy_accuracy(model, tokenizer, heldout, budgets)
     log.update({"stop_reason": stop_reason, "train_seconds": round(train_s), "steps": step, "tokens": tokens,
                 "answer_tokens": answer_tokens, "final_eval": final, "final_eval_n": args.final_eval,
-                "budgets": dict(_BUDGETS)})
+                "budgets": budgets})
     print("final", json.dumps(final), "stop:", stop_reason, flush=True)
     with atomic_dir(args.out, overwrite=args.overwrite) as tmp:
         model.save_pretrained(tmp)

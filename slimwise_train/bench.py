@@ -643,7 +643,6 @@ def main(argv=None) -> int:
                        help="split point as a fraction of --seq for every row, or 'random' (s ~ U{1..seq-2} per row)")
     train.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     result = BENCHES[args.name](args)
     print(json.dumps(result), flush=True)
     return 0

@@ -377,6 +377,24 @@ def eos_ids(model: nn.Module, tokenizer) -> list[int]:
 
 
 @torch.no_grad()
+def greedy_accuracy(model: nn.Module, tokenizer, problems: Sequence[Problem], budgets: Mapping[str, int],
+                    batch_size: int = 64) -> dict[str, dict]:
+    """One model's greedy exact match and median output length per family: the quick check used while training
+    a teacher and by the teacher's regression test (the full five-mode evaluation is `evaluate`)."""
+    from slimwise_train.data.synthetic import check
+
+    generations = generate_all(model, model, problems, budgets, batch_size, tokenizer.pad_token_id,
+                               eos_ids(model, tokenizer))
+    out: dict[str, dict] = {}
+    for family in dict.fromkeys(p.family for p in problems):
+        rows = [(p, g) for p, g in zip(problems, generations) if p.family == family]
+        correct = [check(family, p.prompt, decode_output(tokenizer, g), ended=g.ended) for p, g in rows]
+        out[family] = {"accuracy": sum(correct) / len(rows),
+                       "median_length": sorted(g.length for _, g in rows)[len(rows) // 2]}
+    return out
+
+
+@torch.no_grad()
 def evaluate(
     model: nn.Module,
     tokenizer,

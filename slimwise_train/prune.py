@@ -51,7 +51,7 @@ def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
 
 
 def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
-    """(ExpertStatistics, source) where source is 'file', 'cache' or 'computed'."""
+    """(ExpertStatistics, metadata, source) where source is 'file', 'cache' or 'computed'."""
     from slimwise_train.data.loading import calibration_batches, encode_all, load_pairs, num_batches
     from slimwise_train.scoring import collect_statistics, load_scores, save_scores
 

@@ -69,7 +69,7 @@ class ExpertStatistics:
         weight = weight.reshape(-1).double().cpu()
         norm = norm.reshape(-1).double().cpu()
         probs = probs.double().cpu()
-        routed_probs = probs.gather(1, index.view(-1, self.top_k) if index.numel() else index.view(0, self.top_k))
+        routed_probs = probs.gather(1, index.view(probs.shape[0], self.top_k))
         self.num_tokens[row] += probs.shape[0]
         self.frequency[row].index_add_(0, index, torch.ones_like(weight))
         self.mass_all[row] += probs.sum(0)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimwise_train.adapters import get_adapter
 from slimwise_train.data import synthetic
-from slimwise_train.handoff import handoff_generate
+from slimwise_train.evaluation import build_problems, greedy_accuracy
 from slimwise_train.models import ASSETS
 
 TEACHER = ASSETS / "teacher"
@@ -28,18 +28,9 @@ def test_shipped_teacher_accuracy_matches_its_training_log():
     tok = AutoTokenizer.from_pretrained(TEACHER)
     layers = get_adapter(model).moe_layers(model)
     assert len(layers) == 4 and layers[0].num_experts == 64 and layers[0].top_k == 4
-    accuracy = {}
-    for family in synthetic.FAMILIES:
-        problems = synthetic.heldout(family, N, seed=0)  # the first 30 of the 200 the log was measured on
-        enc = tok([synthetic.to_text(p)[0] for p in problems], add_special_tokens=False, padding=True, return_tensors="pt")
-        out = handoff_generate(model, model, enc["input_ids"], enc["attention_mask"], log["budgets"][family],
-                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        correct = 0
-        for row, problem in enumerate(problems):
-            n, ended = int(out.lengths[row]), bool(out.ended[row])
-            text = tok.decode(out.tokens[row, : n - 1 if ended else n])
-            correct += synthetic.check(family, problem.prompt, text, ended=ended)
-        accuracy[family] = correct / N
+    problems = build_problems(tok, synthetic.FAMILIES, N)  # the first 30 of the 200 the log was measured on
+    result = greedy_accuracy(model, tok, problems, log["budgets"])
+    accuracy = {family: r["accuracy"] for family, r in result.items()}
     for family, measured in accuracy.items():
         logged = log["final_eval"][family]["accuracy"]
         assert measured >= logged - 0.25, (family, measured, logged)
