@@ -44,17 +44,22 @@ def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: 
 
 
 def bench_model(model_type: str, hidden: int, layers: int, experts: int, top_k: int, moe_intermediate: int,
-                vocab: int, device):
+                vocab: int, device, kv_heads: int | None = None, dtype: torch.dtype = torch.float32):
+    """A random stock model of `model_type` with 64-wide heads; `kv_heads` defaults to one per two query heads."""
     from slimwise_train.testing.tiny import tiny_model
 
+    heads = max(hidden // 64, 1)
+    kv_heads = kv_heads or max(heads // 2, 1)
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide the {heads} query heads (hidden {hidden} / 64)")
     overrides = dict(hidden_size=hidden, num_hidden_layers=layers, moe_intermediate_size=moe_intermediate,
-                     intermediate_size=moe_intermediate, num_attention_heads=max(hidden // 64, 1),
-                     num_key_value_heads=max(hidden // 128, 1), head_dim=64, vocab_size=vocab)
+                     intermediate_size=moe_intermediate, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, head_dim=64, vocab_size=vocab)
     key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(
         model_type, "num_experts")
     overrides[key] = experts
     overrides["top_k_experts" if model_type == "gemma4_text" else "num_experts_per_tok"] = top_k
-    return tiny_model(model_type, init_std=0.02, **overrides).to(device)
+    return tiny_model(model_type, init_std=0.02, **overrides).to(device=device, dtype=dtype)
 
 
 def run_calib(args) -> dict:
@@ -244,8 +249,9 @@ def run_decode(args) -> dict:
     from slimwise_train.scoring import num_to_keep
 
     device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     full = bench_model(args.model_type, args.hidden, args.layers, args.experts, args.top_k, args.moe_intermediate,
-                       args.vocab, device).eval()
+                       args.vocab, device, kv_heads=args.kv_heads, dtype=dtype).eval()
     adapter = get_adapter(full)
     layers = adapter.moe_layers(full)
     bytes_per_expert = sum(getattr(m, n)[0].numel() * getattr(m, n).element_size()
@@ -306,7 +312,8 @@ def run_decode(args) -> dict:
     return {
         "bench": "decode",
         "device": str(device),
-        "model": f"{args.model_type} L{args.layers} H{args.hidden} E{args.experts} top{args.top_k} I{args.moe_intermediate}",
+        "model": f"{args.model_type} L{args.layers} H{args.hidden} E{args.experts} top{args.top_k} "
+                 f"I{args.moe_intermediate} kv{full.config.num_key_value_heads}x64 {args.dtype}",
         "expert_bytes_per_layer": bytes_per_expert * args.experts,
         "prompt_len": args.prompt,
         "results": results,
@@ -629,10 +636,14 @@ def main(argv=None) -> int:
     loss.add_argument("--time-tokens", type=int, default=1024, help="tokens for the timing part")
     loss.add_argument("--repeats", type=int, default=3)
     decode = sub.add_parser("decode", help="one batched decode step: full, masked, pruned 25/50/75%")
-    _model_args(decode, hidden=1024, layers=2, experts=64, top_k=8, moe_intermediate=512, vocab=2048, repeats=5)
+    # 8 of 128 experts as Qwen3-30B-A3B routes (the paper's models route 8 of 128 or 256); 400 MB of experts a layer
+    _model_args(decode, hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=256, vocab=2048, repeats=9)
     decode.add_argument("--batches", default="1,8,32,64")
     decode.add_argument("--ratios", default="0.25,0.5,0.75")
     decode.add_argument("--prompt", type=int, default=256)
+    decode.add_argument("--kv-heads", type=int, default=2,
+                        help="key/value heads of 64 (default 2: 8 query heads per KV head, as Qwen3-30B-A3B's 32/4)")
+    decode.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     train = sub.add_parser("train", help="distillation step: ours vs naive two-copy step vs lower bound; memory")
     _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
                 repeats=3)

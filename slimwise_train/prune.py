@@ -46,6 +46,9 @@ def validate_prune_config(prune_cfg) -> None:
 def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
     data = {k: data_cfg[k] for k in ("source", "split", "subset", "text_field", "num_samples", "seq_len",
                                      "chat_template", "seed", "shuffle")}
+    from slimwise_train.data.loading import source_digest
+
+    data["source_digest"] = source_digest(str(data_cfg["source"]))  # an edited recipe or local file: recompute
     payload = {"model": fingerprint, "data": data, "tokenizer": [type(tokenizer).__name__, len(tokenizer)]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 

@@ -14,7 +14,7 @@ TINY = {
     "calib": MODEL,
     "phase": MODEL,
     "loss": ["--tokens", "64", "--vocab", "500", "--top-k", "16", "--chunk", "16", "--time-tokens", "32", "--repeats", "2"],
-    "decode": [*MODEL, "--batches", "1,4", "--prompt", "8"],
+    "decode": [*MODEL, "--batches", "1,4", "--prompt", "8", "--kv-heads", "1"],
     "train": [*MODEL, "--loss-top-k", "8", "--chunk", "8"],
 }
 
@@ -27,3 +27,11 @@ def test_bench_subcommand_prints_one_json_line(name, capsys):
     result = json.loads(lines[0])
     assert result["bench"] == name
     assert result["ratio"] > 0
+
+
+def test_bench_decode_bf16_and_bad_kv_heads(capsys):
+    assert main(["decode", *TINY["decode"], "--dtype", "bf16"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["model"].endswith("bf16") and result["ratio"] > 0
+    with pytest.raises(ValueError, match="--kv-heads 3 must divide"):
+        main(["decode", *MODEL, "--hidden", "256", "--kv-heads", "3"])

@@ -81,6 +81,26 @@ def test_local_jsonl_calibration(tmp_path):
     assert summary["statistics"] == "computed" and summary["calibration_tokens"] > 100
 
 
+def test_statistics_cache_is_invalidated_when_the_calibration_file_changes(tmp_path):
+    rows = tmp_path / "calib.jsonl"
+
+    def write(offset):
+        rows.write_text("\n".join(json.dumps({"prompt": f"Q: {i}+{offset}=", "answer": f"A={i + offset}"})
+                                  for i in range(30)) + "\n")
+
+    def prune(run):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose("prune", overrides=[f"output_dir={tmp_path / run}", f"prune.cache_dir={tmp_path / 'cache'}",
+                                              "progress=false", "data.num_samples=24", "data.batch_size=8",
+                                              f"data.source={rows}"])
+        return run_prune(cfg)["statistics"]
+
+    write(1)
+    assert [prune("a"), prune("b")] == ["computed", "cache"]
+    write(7)  # same name, new content (and size/mtime)
+    assert [prune("c"), prune("d")] == ["computed", "cache"]
+
+
 def test_scores_file_from_another_model_is_rejected(tmp_path):
     run_prune(_cfg(tmp_path))
     scores = tmp_path / "scores.safetensors"

@@ -9,6 +9,7 @@ math 18/75/126/143, code 13/68/127/246, tool 24/73/115/135 (min/median/p90/max);
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -51,6 +52,23 @@ def test_params_validated():
         S.generate("nope", 1, 0)
     short = S.generate("math", 30, 0, min_steps=2, max_steps=2)
     assert all(e.answer.count(";") == 2 for e in short)
+    with pytest.raises(ValueError, match="code ops must be"):
+        S.generate("code", 1, 0, ops=("sort", "shuffle"))
+    with pytest.raises(ValueError, match="without a no-argument op"):
+        S.generate("code", 1, 0, ops=("evens", "add"))  # string programs (str_fraction 0.25) have neither
+    with pytest.raises(ValueError, match="final_weights"):
+        S.generate("code", 1, 0, final_weights=(1.0, 0.0))
+
+
+def test_code_ops_and_finals_follow_the_parameters():
+    allowed = {"sort", "evens", "take"}
+    exs = S.generate("code", 200, 3, ops=tuple(allowed), str_fraction=0.0, final_weights=(0, 0, 1, 0))
+    used = {m for e in exs for m in re.findall(r"=([a-z]+)\(", e.prompt)}
+    assert used == allowed  # each allowed op occurs, nothing else does
+    assert all(e.prompt.endswith("print(max(x))") for e in exs)
+    assert all(S.check("code", e.prompt, e.answer) for e in exs)
+    words = S.generate("code", 100, 3, ops=("reverse", "replace", "evens"), str_fraction=1.0)
+    assert {m for e in words for m in re.findall(r"=([a-z]+)\(", e.prompt)} == {"reverse", "replace"}
 
 
 # ---------------------------------------------------------------- checkers accept references
@@ -296,6 +314,9 @@ def test_encode_example(tok):
     assert tok.decode(enc["input_ids"][n:-1]) == e.answer
 
 
+ALL_CODE_OPS = ("sort", "reverse", "dedupe", "evens", "odds", "add", "take", "drop", "rotate", "append", "replace")
+
+
 def test_length_distribution(tok):
     """Answer lengths (tokens incl. EOS) span tens to ~150 tokens with the defaults (sized so a CPU teacher
     learns them in an hour) and reach a few hundred with the longer-chain parameters."""
@@ -313,7 +334,27 @@ def test_length_distribution(tok):
     print("answer tokens min/median/p90/max:", stats)
     assert max(s[3] for s in stats.values()) >= 100
     long_code = [len(tok(e.answer, add_special_tokens=False)["input_ids"]) + 1
-                 for e in S.generate("code", 400, seed=7, max_steps=7, max_items=9)]
+                 for e in S.generate("code", 400, seed=7, max_steps=7, max_items=9, ops=ALL_CODE_OPS)]
     long_math = [len(tok(e.answer, add_special_tokens=False)["input_ids"]) + 1
                  for e in S.generate("math", 400, seed=7, max_steps=12)]
     assert max(long_code) >= 180 and max(long_math) >= 120
+
+
+def test_recipe_counts_sum_exactly_to_the_request():
+    recipe = {"families": {"math": {"weight": 1.2}, "code": {"weight": 1.2}, "tool": {"weight": 0.6}}}
+    for n in (1, 5, 6, 7, 100, 601):
+        counts = S._recipe_counts(recipe, n)
+        assert sum(counts.values()) == n, (n, counts)
+        assert all(abs(counts[f] - n * w["weight"] / 3.0) < 1 for f, w in recipe["families"].items())
+    with pytest.raises(ValueError, match="weights"):
+        S._recipe_counts({"families": {"math": {"weight": 0}}}, 3)
+
+
+def test_recipe_eval_split_covers_the_eval_apps_sample():
+    """Training excludes the recipe's eval split; the eval app samples the first `num_per_family` held-out problems
+    of each family, so each family's eval split must be at least that large or training would see evaluated ones."""
+    from slimwise_train.config import EvalConfig
+
+    recipe = S.load_recipe()
+    counts = S._recipe_counts(recipe, int(recipe["splits"]["eval"]["n"]))
+    assert min(counts.values()) >= EvalConfig().num_per_family, counts

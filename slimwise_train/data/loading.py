@@ -51,6 +51,29 @@ def load_recipe(source: str) -> dict:
     return yaml.safe_load(path.read_text())
 
 
+def source_digest(source: str) -> str | None:
+    """What a cache of results computed from `source` must be keyed on besides its name: the text of a recipe
+    (plus the synthetic suite's version) or the names, sizes and modification times of local files, so editing
+    them invalidates the cache. None for hub ids (their revision is the hub's business)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    recipe = recipe_path(source)
+    path = Path(source)
+    if recipe is not None:
+        from slimwise_train.data.synthetic import _SUITE_VERSION
+
+        digest.update(recipe.read_bytes() + _SUITE_VERSION.encode())
+    elif path.exists():
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for f in files:
+            stat = f.stat()
+            digest.update(f"{f.relative_to(path) if path.is_dir() else f.name}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
+    else:
+        return None
+    return digest.hexdigest()[:16]
+
+
 def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 

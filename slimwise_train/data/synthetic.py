@@ -288,6 +288,7 @@ _STR_OPS: dict[str, tuple[tuple[str, ...], Callable[..., list]]] = {
     "append": (("word",), lambda x, w: x + [w]),
 }
 _LIST_FINALS = ("x", "len", "max", "min")
+_NEVER_EMPTY = ("reverse", "sort", "dedupe")  # always applicable, never empty a program's state
 
 
 def _fmt_list(x: Sequence[int]) -> str:
@@ -327,14 +328,15 @@ def _gen_code(rng: random.Random, p: dict) -> tuple[str, str, dict]:
         pool_hi = int(p["max_item"]) if rng.random() < 0.5 else rng.randint(min(5, int(p["max_item"])), int(p["max_item"]))
         x: list = [rng.randint(0, pool_hi) for _ in range(n)]
         var, table, init = "x", _LIST_OPS, _fmt_list(x)
+        names = [n for n in p["ops"] if n in _LIST_OPS]
     else:
         pool = rng.sample(WORDS, rng.randint(3, len(WORDS)))
         x = [rng.choice(pool) for _ in range(n)]
         var, table, init = "s", _STR_OPS, _fmt_str(x)
+        names = [n for n in p["ops"] if n in _STR_OPS]
     stmts = [f"{var}={init}"]
     trace = []
     k = rng.randint(int(p["min_steps"]), int(p["max_steps"]))
-    names = list(table)
     for _ in range(k):
         for _attempt in range(50):
             name = rng.choice(names)
@@ -345,14 +347,15 @@ def _gen_code(rng: random.Random, p: dict) -> tuple[str, str, dict]:
             # never empty, rarely below two items, and mostly a visible change
             if y and len(y) >= min(2, len(x)) and (y != x or rng.random() < 0.15):
                 break
-        else:  # pragma: no cover - reverse is always applicable
-            name, args, y = "reverse", (), x[::-1]
+        else:  # nothing applicable changed the state: fall back to a no-argument op (always applicable)
+            name = next(n for n in names if n in _NEVER_EMPTY)
+            args, y = (), table[name][1](x)
         arg_s = "".join("," + (str(a) if isinstance(a, int) else f'"{a}"') for a in args)
         stmts.append(f"{var}={name}({var}{arg_s})")
         x = y
         trace.append(f"{name}->{_fmt_list(x) if kind == 'list' else _fmt_str(x)}")
     if kind == "list":
-        final = rng.choices(_LIST_FINALS, weights=(0.55, 0.15, 0.15, 0.15))[0]
+        final = rng.choices(_LIST_FINALS, weights=p["final_weights"])[0]
     else:
         final = "x"
     if final == "x":
@@ -714,7 +717,7 @@ def _gen_tool(rng: random.Random, p: dict) -> tuple[str, str, dict]:
 DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "math": {
         "min_steps": 2,  # operations per chain
-        "max_steps": 8,
+        "max_steps": 5,
         "ops": ("+", "-", "*"),
         "op_weights": (0.45, 0.35, 0.2),  # for + - *
         "max_value": 999,  # running total stays in 0..max_value
@@ -722,17 +725,21 @@ DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     },
     "code": {
         "min_steps": 1,  # ops per program
-        "max_steps": 5,
+        "max_steps": 3,
         "min_items": 3,
         "max_items": 8,
         "max_item": 99,
         "str_fraction": 0.25,  # share of word-string programs
+        # allowed op names (string programs use those that also exist for strings); the others in _LIST_OPS /
+        # _STR_OPS (evens odds add take drop rotate append replace) made a one-hour CPU teacher fail at copying
+        "ops": ("sort", "reverse", "dedupe"),
+        "final_weights": (1.0, 0.0, 0.0, 0.0),  # print(x), print(len(x)), print(max(x)), print(min(x))
     },
     "tool": {
         "min_steps": 1,  # calls per request
         "max_steps": 1,
         "min_offered": 2,  # tools listed in the schema
-        "max_offered": 4,
+        "max_offered": 3,
         "tools": tuple(TOOLS),
     },
 }
@@ -757,6 +764,17 @@ def _params(family: str, overrides: dict) -> dict:
         raise ValueError(f"tools must be a non-empty subset of {tuple(TOOLS)}")
     if family == "math" and (not p["ops"] or set(p["ops"]) - set(_MATH_OPS)):
         raise ValueError(f"ops must be a non-empty subset of {_MATH_OPS}")
+    if family == "code":
+        if not p["ops"] or set(p["ops"]) - set(_LIST_OPS) - set(_STR_OPS):
+            raise ValueError(f"code ops must be a non-empty subset of {sorted(set(_LIST_OPS) | set(_STR_OPS))}")
+        for kind, table, share in (("list", _LIST_OPS, 1 - float(p["str_fraction"])),
+                                   ("string", _STR_OPS, float(p["str_fraction"]))):
+            names = [n for n in p["ops"] if n in table]
+            if share > 0 and not set(names) & set(_NEVER_EMPTY):
+                raise ValueError(f"code ops {list(p['ops'])} leave {kind} programs without a no-argument op "
+                                 "(sort/reverse/dedupe); add one or set str_fraction to 0 or 1")
+        if len(p["final_weights"]) != len(_LIST_FINALS) or min(p["final_weights"]) < 0 or not sum(p["final_weights"]):
+            raise ValueError(f"code final_weights needs {len(_LIST_FINALS)} non-negative weights for {_LIST_FINALS}")
     if not 1 <= int(p["min_steps"]) <= int(p["max_steps"]):
         raise ValueError(f"need 1 <= min_steps <= max_steps, got {p['min_steps']}..{p['max_steps']}")
     return p
@@ -995,9 +1013,17 @@ def load_recipe(path: str | os.PathLike | None = None) -> dict:
 
 
 def _recipe_counts(recipe: dict, n_total: int) -> dict[str, int]:
+    """`n_total` split by the family weights, summing exactly to `n_total` (largest remainder, ties in order)."""
     fams = recipe["families"]
-    wsum = sum(float(f.get("weight", 1.0)) for f in fams.values())
-    return {name: round(n_total * float(f.get("weight", 1.0)) / wsum) for name, f in fams.items()}
+    weights = {name: float(f.get("weight", 1.0)) for name, f in fams.items()}
+    if any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
+        raise ValueError(f"recipe family weights must be >= 0 with a positive sum, got {weights}")
+    shares = {name: n_total * w / sum(weights.values()) for name, w in weights.items()}
+    counts = {name: int(share) for name, share in shares.items()}
+    by_remainder = sorted(shares, key=lambda name: -(shares[name] - counts[name]))
+    for name in by_remainder[: n_total - sum(counts.values())]:
+        counts[name] += 1
+    return counts
 
 
 def _interleave_families(examples: list[Example], n: int) -> list[Example]:
