@@ -83,10 +83,8 @@ def batches(tokenizer, args, exclude):
     """Endless length-bucketed training batches: (input_ids, attention_mask, labels) right-padded, families
     mixed by the recipe's weights with the recipe's parameters."""
     recipe = synthetic.load_recipe()
-    params = {f: dict(spec.get("params") or {}) for f, spec in recipe["families"].items()}
-    total_weight = sum(float(spec.get("weight", 1.0)) for spec in recipe["families"].values())
-    counts = {f: max(1, round(args.batch * 64 * float(spec.get("weight", 1.0)) / total_weight))
-              for f, spec in recipe["families"].items()}
+    params = synthetic.recipe_params(recipe)
+    counts = synthetic.recipe_counts(recipe, args.batch * 64)
     chunk = 0
     while True:
         examples = synthetic.generate_mixture(counts, seed=args.seed + 1000 * chunk, exclude=exclude, params=params)

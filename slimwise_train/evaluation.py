@@ -110,10 +110,10 @@ def build_problems(
         raise ValueError(f"unknown eval.families {unknown or list(families)}; use some of {list(synthetic.FAMILIES)}")
     recipe = recipe if isinstance(recipe, dict) else synthetic.load_recipe(recipe)
     seed = int(recipe["splits"]["eval"]["seed"]) if seed is None else int(seed)
+    params = synthetic.recipe_params(recipe)
     problems = []
     for family in families:
-        params = dict((recipe["families"].get(family) or {}).get("params") or {})
-        for example in synthetic.heldout(family, num_per_family, seed, **params):
+        for example in synthetic.heldout(family, num_per_family, seed, **params.get(family, {})):
             prompt_text, answer_text = synthetic.to_text(example)
             prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
             answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]

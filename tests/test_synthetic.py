@@ -343,11 +343,11 @@ def test_length_distribution(tok):
 def test_recipe_counts_sum_exactly_to_the_request():
     recipe = {"families": {"math": {"weight": 1.2}, "code": {"weight": 1.2}, "tool": {"weight": 0.6}}}
     for n in (1, 5, 6, 7, 100, 601):
-        counts = S._recipe_counts(recipe, n)
+        counts = S.recipe_counts(recipe, n)
         assert sum(counts.values()) == n, (n, counts)
         assert all(abs(counts[f] - n * w["weight"] / 3.0) < 1 for f, w in recipe["families"].items())
     with pytest.raises(ValueError, match="weights"):
-        S._recipe_counts({"families": {"math": {"weight": 0}}}, 3)
+        S.recipe_counts({"families": {"math": {"weight": 0}}}, 3)
 
 
 def test_recipe_eval_split_covers_the_eval_apps_sample():
@@ -356,5 +356,5 @@ def test_recipe_eval_split_covers_the_eval_apps_sample():
     from slimwise_train.config import EvalConfig
 
     recipe = S.load_recipe()
-    counts = S._recipe_counts(recipe, int(recipe["splits"]["eval"]["n"]))
+    counts = S.recipe_counts(recipe, int(recipe["splits"]["eval"]["n"]))
     assert min(counts.values()) >= EvalConfig().num_per_family, counts

@@ -109,6 +109,8 @@ __all__ = [
     "read_jsonl",
     "load_recipe",
     "generate_from_recipe",
+    "recipe_counts",
+    "recipe_params",
     "DEFAULT_RECIPE",
 ]
 
@@ -291,6 +293,11 @@ _LIST_FINALS = ("x", "len", "max", "min")
 _NEVER_EMPTY = ("reverse", "sort", "dedupe")  # always applicable, never empty a program's state
 
 
+def _allowed_ops(p: dict, table: dict) -> list[str]:
+    """The code family's allowed op names (``p["ops"]``) that exist in ``table`` (list or string ops)."""
+    return [n for n in p["ops"] if n in table]
+
+
 def _fmt_list(x: Sequence[int]) -> str:
     return "[" + ",".join(str(v) for v in x) + "]"
 
@@ -328,12 +335,12 @@ def _gen_code(rng: random.Random, p: dict) -> tuple[str, str, dict]:
         pool_hi = int(p["max_item"]) if rng.random() < 0.5 else rng.randint(min(5, int(p["max_item"])), int(p["max_item"]))
         x: list = [rng.randint(0, pool_hi) for _ in range(n)]
         var, table, init = "x", _LIST_OPS, _fmt_list(x)
-        names = [n for n in p["ops"] if n in _LIST_OPS]
+        names = _allowed_ops(p, _LIST_OPS)
     else:
         pool = rng.sample(WORDS, rng.randint(3, len(WORDS)))
         x = [rng.choice(pool) for _ in range(n)]
         var, table, init = "s", _STR_OPS, _fmt_str(x)
-        names = [n for n in p["ops"] if n in _STR_OPS]
+        names = _allowed_ops(p, _STR_OPS)
     stmts = [f"{var}={init}"]
     trace = []
     k = rng.randint(int(p["min_steps"]), int(p["max_steps"]))
@@ -769,8 +776,7 @@ def _params(family: str, overrides: dict) -> dict:
             raise ValueError(f"code ops must be a non-empty subset of {sorted(set(_LIST_OPS) | set(_STR_OPS))}")
         for kind, table, share in (("list", _LIST_OPS, 1 - float(p["str_fraction"])),
                                    ("string", _STR_OPS, float(p["str_fraction"]))):
-            names = [n for n in p["ops"] if n in table]
-            if share > 0 and not set(names) & set(_NEVER_EMPTY):
+            if share > 0 and not set(_allowed_ops(p, table)) & set(_NEVER_EMPTY):
                 raise ValueError(f"code ops {list(p['ops'])} leave {kind} programs without a no-argument op "
                                  "(sort/reverse/dedupe); add one or set str_fraction to 0 or 1")
         if len(p["final_weights"]) != len(_LIST_FINALS) or min(p["final_weights"]) < 0 or not sum(p["final_weights"]):
@@ -1012,7 +1018,12 @@ def load_recipe(path: str | os.PathLike | None = None) -> dict:
     return recipe
 
 
-def _recipe_counts(recipe: dict, n_total: int) -> dict[str, int]:
+def recipe_params(recipe: dict) -> dict[str, dict]:
+    """Family -> generator parameters of a recipe (``generate``'s keyword arguments)."""
+    return {name: dict(spec.get("params") or {}) for name, spec in recipe["families"].items()}
+
+
+def recipe_counts(recipe: dict, n_total: int) -> dict[str, int]:
     """`n_total` split by the family weights, summing exactly to `n_total` (largest remainder, ties in order)."""
     fams = recipe["families"]
     weights = {name: float(f.get("weight", 1.0)) for name, f in fams.items()}
@@ -1048,23 +1059,23 @@ def generate_from_recipe(
     total count (the eval set that training excludes stays the recipe's)."""
     if not isinstance(recipe, dict):
         recipe = load_recipe(recipe)
-    params = {k: dict(v.get("params") or {}) for k, v in recipe["families"].items()}
+    params = recipe_params(recipe)
     ev_cfg = recipe["splits"]["eval"]
-    ev_counts = _recipe_counts(recipe, int(ev_cfg["n"]))
+    ev_counts = recipe_counts(recipe, int(ev_cfg["n"]))
     ev = []
     for fam, count in ev_counts.items():
         ev += heldout(fam, count, int(ev_cfg["seed"]), **params[fam])
     if split == "eval":
         if n is not None and n > len(ev):
             ev = []
-            for fam, count in _recipe_counts(recipe, n).items():
+            for fam, count in recipe_counts(recipe, n).items():
                 ev += heldout(fam, count, int(ev_cfg["seed"]), **params[fam])
         return ev if n is None or n >= len(ev) else _interleave_families(ev, n)
     if split != "train":
         raise ValueError(f"unknown split {split!r}")
     tr_cfg = recipe["splits"]["train"]
     return generate_mixture(
-        _recipe_counts(recipe, int(tr_cfg["n"]) if n is None else n),
+        recipe_counts(recipe, int(tr_cfg["n"]) if n is None else n),
         int(tr_cfg["seed"]),
         families=tuple(recipe["families"]),
         exclude=frozenset(e.prompt for e in ev),
