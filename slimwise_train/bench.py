@@ -271,15 +271,21 @@ def run_decode(args) -> dict:
             cache = full(input_ids=prompt, use_cache=True).past_key_values
         step_ids = torch.randint(0, args.vocab, (batch, 1), generator=g).to(device)
         touched: dict[str, list[float]] = {}
+        # The first MoE layer's expert-module call (module, inputs) per model, replayed alone below to split the
+        # step into the routed-expert matmuls and everything else.
+        experts_call: dict[str, tuple] = {}
 
         def step(model, name):
             @torch.no_grad()
             def run():
                 hooks = []
                 fractions = []
-                for moe in adapter.moe_layers(model):
-                    hooks.append(moe.experts.register_forward_pre_hook(
-                        lambda mod, a, n=moe.num_experts: fractions.append(a[1].unique().numel() / n)))
+                for i, moe in enumerate(adapter.moe_layers(model)):
+                    def pre_hook(mod, a, n=moe.num_experts, first=i == 0):
+                        fractions.append(a[1].unique().numel() / n)
+                        if first and name not in experts_call:
+                            experts_call[name] = (mod, tuple(t.clone() for t in a))
+                    hooks.append(moe.experts.register_forward_pre_hook(pre_hook))
                 model(input_ids=step_ids, past_key_values=cache, use_cache=True)
                 for h in hooks:
                     h.remove()
@@ -287,15 +293,29 @@ def run_decode(args) -> dict:
                 touched.setdefault(name, []).append(sum(fractions) / len(fractions))
             return run
 
+        def experts_only(name):
+            module, inputs = experts_call[name]
+
+            @torch.no_grad()
+            def run():
+                module(*inputs)
+            return run
+
         fns = {"full": step(full, "full"), f"masked_{mask_ratio}": step(masked, f"masked_{mask_ratio}")}
         fns.update({f"pruned_{r}": step(pruned[r], f"pruned_{r}") for r in ratios})
         times = interleaved_times(fns, args.repeats, 2, device)
         med = {k: statistics.median(v) for k, v in times.items()}
+        expert_times = interleaved_times({k: experts_only(k) for k in fns}, args.repeats, 1, device)
+        expert_med = {k: statistics.median(v) for k, v in expert_times.items()}
         experts_full = statistics.mean(touched["full"]) * args.experts
         row = {"batch": batch, "step_s": {k: round(v, 5) for k, v in med.items()},
                "experts_touched_share": {k: round(statistics.mean(v), 3) for k, v in touched.items()}}
         row["masked_over_pruned"] = round(med[f"masked_{mask_ratio}"] / med[f"pruned_{mask_ratio}"], 3)
+        # Routed-expert matmuls of one layer replayed on the step's own routing, times the MoE layer count: the
+        # part of the step that pruning shrinks; the rest (attention over the cache, router, LM head) it does not.
+        row["experts_share_of_step"] = round(expert_med["full"] * len(layers) / med["full"], 3)
         row["speedup"] = {}
+        row["experts_only_speedup"] = {}
         row["bytes_bound"] = {}
         row["bound_efficiency"] = {}
         for r in ratios:
@@ -304,6 +324,7 @@ def run_decode(args) -> dict:
             bound = experts_full / experts_pruned
             speed = med["full"] / med[f"pruned_{r}"]
             row["speedup"][str(r)] = round(speed, 3)
+            row["experts_only_speedup"][str(r)] = round(expert_med["full"] / expert_med[f"pruned_{r}"], 3)
             row["bytes_bound"][str(r)] = round(bound, 3)
             row["bound_efficiency"][str(r)] = round(speed / bound, 3)
         results.append(row)

@@ -33,5 +33,9 @@ def test_bench_decode_bf16_and_bad_kv_heads(capsys):
     assert main(["decode", *TINY["decode"], "--dtype", "bf16"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["model"].endswith("bf16") and result["ratio"] > 0
+    for row in result["results"]:  # the experts-only replay splits the step: a share of it, and its own speedup
+        assert 0 < row["experts_share_of_step"] < 1.5
+        assert set(row["experts_only_speedup"]) == set(row["speedup"])
+        assert all(v > 0 for v in row["experts_only_speedup"].values())
     with pytest.raises(ValueError, match="--kv-heads 3 must divide"):
         main(["decode", *MODEL, "--hidden", "256", "--kv-heads", "3"])
