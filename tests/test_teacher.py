@@ -1,8 +1,8 @@
 """The shipped teacher loads with stock transformers and still performs as its training log says.
 
 The accuracy bar of the issue (>= 0.9 per family) is met on code and tool but NOT on math by this teacher (math
-0.89, code 0.92, tool 0.99 on 200 held-out problems each); this test guards the shipped weights against regressions on a 30-problem sample, with
-a margin for the smaller sample (binomial sd at p=0.5, n=30 is ~0.09).
+0.89, code 0.92, tool 0.99 on 200 held-out problems each); this test guards the shipped weights against
+regressions on a 30-problem sample, with a margin for the smaller sample (binomial sd at p=0.5, n=30 is ~0.09).
 """
 
 from __future__ import annotations

@@ -1027,9 +1027,10 @@ def recipe_counts(recipe: dict, n_total: int) -> dict[str, int]:
     """`n_total` split by the family weights, summing exactly to `n_total` (largest remainder, ties in order)."""
     fams = recipe["families"]
     weights = {name: float(f.get("weight", 1.0)) for name, f in fams.items()}
-    if any(w < 0 for w in weights.values()) or not sum(weights.values()) > 0:
+    total = sum(weights.values())
+    if any(w < 0 for w in weights.values()) or not total > 0:
         raise ValueError(f"recipe family weights must be >= 0 with a positive sum, got {weights}")
-    shares = {name: n_total * w / sum(weights.values()) for name, w in weights.items()}
+    shares = {name: n_total * w / total for name, w in weights.items()}
     counts = {name: int(share) for name, share in shares.items()}
     by_remainder = sorted(shares, key=lambda name: -(shares[name] - counts[name]))
     for name in by_remainder[: n_total - sum(counts.values())]:
