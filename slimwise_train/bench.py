@@ -330,6 +330,15 @@ def run_decode(args) -> dict:
         results.append(row)
         print(json.dumps({"partial": row}), file=sys.stderr, flush=True)
     masking.remove()
+    targets = {"masked_over_pruned_max": 1.05, "pruned_0.5_speedup_at_64_min": 1.5, "bound_efficiency_min": 0.85}
+    at_64 = next((row for row in results if row["batch"] == 64 and "0.5" in row["speedup"]), None)
+    targets_met = {
+        "masked_over_pruned": all(row["masked_over_pruned"] <= targets["masked_over_pruned_max"] for row in results),
+        # The two batch-64 targets are undefined when batch 64 or ratio 0.5 was not measured.
+        "speedup_at_64": None if at_64 is None else at_64["speedup"]["0.5"] >= targets["pruned_0.5_speedup_at_64_min"],
+        "bound_efficiency_at_64": None if at_64 is None
+        else at_64["bound_efficiency"]["0.5"] >= targets["bound_efficiency_min"],
+    }
     return {
         "bench": "decode",
         "device": str(device),
@@ -339,7 +348,8 @@ def run_decode(args) -> dict:
         "prompt_len": args.prompt,
         "results": results,
         "ratio": results[-1]["speedup"].get("0.5", next(iter(results[-1]["speedup"].values()))),
-        "targets": {"masked_over_pruned_max": 1.05, "pruned_0.5_speedup_at_64_min": 1.5, "bound_efficiency_min": 0.85},
+        "targets": targets,
+        "targets_met": targets_met,
     }
 
 
@@ -657,8 +667,10 @@ def main(argv=None) -> int:
     loss.add_argument("--time-tokens", type=int, default=1024, help="tokens for the timing part")
     loss.add_argument("--repeats", type=int, default=3)
     decode = sub.add_parser("decode", help="one batched decode step: full, masked, pruned 25/50/75%")
-    # 8 of 128 experts as Qwen3-30B-A3B routes (the paper's models route 8 of 128 or 256); 400 MB of experts a layer
-    _model_args(decode, hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=256, vocab=2048, repeats=9)
+    # 8 of 128 experts as Qwen3-30B-A3B routes (the paper's models route 8 of 128 or 256). I512 puts 805 MB of fp32
+    # experts in a layer, near Qwen3-30B-A3B's 1.2 GB (bf16): the per-op costs of attention, router and cache do not
+    # shrink with the model, so at I256 (400 MB) they took 28% of the batch-64 step against 6-12% here.
+    _model_args(decode, hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=512, vocab=2048, repeats=9)
     decode.add_argument("--batches", default="1,8,32,64")
     decode.add_argument("--ratios", default="0.25,0.5,0.75")
     decode.add_argument("--prompt", type=int, default=256)

@@ -37,5 +37,17 @@ def test_bench_decode_bf16_and_bad_kv_heads(capsys):
         assert 0 < row["experts_share_of_step"] < 1.5
         assert set(row["experts_only_speedup"]) == set(row["speedup"])
         assert all(v > 0 for v in row["experts_only_speedup"].values())
+    # Batch 64 was not measured: its two targets are undefined, not passed.
+    assert result["targets_met"]["speedup_at_64"] is None and result["targets_met"]["bound_efficiency_at_64"] is None
+    assert isinstance(result["targets_met"]["masked_over_pruned"], bool)
     with pytest.raises(ValueError, match="--kv-heads 3 must divide"):
         main(["decode", *MODEL, "--hidden", "256", "--kv-heads", "3"])
+
+
+def test_bench_decode_targets_met_follow_the_batch_64_row(capsys):
+    assert main(["decode", *MODEL, "--batches", "64", "--prompt", "8", "--kv-heads", "1", "--ratios", "0.5"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row, met, targets = result["results"][0], result["targets_met"], result["targets"]
+    assert met["speedup_at_64"] == (row["speedup"]["0.5"] >= targets["pruned_0.5_speedup_at_64_min"])
+    assert met["bound_efficiency_at_64"] == (row["bound_efficiency"]["0.5"] >= targets["bound_efficiency_min"])
+    assert met["masked_over_pruned"] == (row["masked_over_pruned"] <= targets["masked_over_pruned_max"])
