@@ -9,7 +9,8 @@ measured on 2 idle cores in 45 s; whole hour-long runs: 6.3k with it, 9.4k witho
 The shipped teacher: 3300 s, 12,961 steps, 31.2M tokens; greedy exact match on 200 held-out problems per family
 math 0.89, code 0.92, tool 0.99. The same run with tool weighted 0.6 instead of 0.35 in the mix (and evals every
 6 min): 12,824 steps, 0.89 / 0.88 / 1.00; math : code : tool 1.5 : 1.2 : 0.3 -> 0.91 / 0.83 / 0.985 and
-1.3 : 1.3 : 0.25 -> 0.93 / 0.835 / 0.985 (run-to-run spread of several points per family); with OMP_WAIT_POLICY=PASSIVE (20.6M tokens): 0.84 / 0.705 / 0.995.
+1.3 : 1.3 : 0.25 -> 0.93 / 0.835 / 0.985 (run-to-run spread of several points per family); with
+OMP_WAIT_POLICY=PASSIVE (20.6M tokens): 0.84 / 0.705 / 0.995.
 
 A stock `Qwen3MoeForCausalLM` (64 experts, top-4, weak load balancing) learns the offline synthetic suite
 (math / code / tool). The design follows the pilots in ../shared/notes/pilot-tiny-teacher.md and short
