@@ -141,7 +141,8 @@ def main(argv=None):
 
     if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
         # measured here: 6.2k vs 11.5k tokens/s for this model on 2 idle cores (its ops are small, so sleeping
-        # OpenMP threads cost more than they save); an hour under it gave 0.84 / 0.705 / 0.995 instead of 0.89+
+        # OpenMP threads cost more than they save); an hour under it gave 0.84 / 0.705 / 0.995 where the same
+        # schedule (0.1x lr floor) gave 0.89 / 0.92 / 0.99 without it
         print("warning: OMP_WAIT_POLICY=PASSIVE halves training throughput here; unset it unless the cores are "
               "shared", file=sys.stderr, flush=True)
     torch.set_num_threads(args.threads)
