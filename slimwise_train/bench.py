@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -238,6 +239,40 @@ def run_loss(args) -> dict:
     }
 
 
+def _paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median over rounds of the two variants' time ratio within one round. The variants of a round run back to
+    back, so a slow spell of the machine (seconds long here) scales both and cancels, where a ratio of the two
+    medians would take it in whenever it hits one variant's rounds more than the other's."""
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
+
+
+def _decode_cache(model, kind: str, max_len: int):
+    """`static`: preallocated K/V written in place, as serving engines keep them (a dynamic cache re-copies the whole
+    cache with torch.cat on every step, a cost that has nothing to do with the experts); `dynamic`: HF's default."""
+    if kind == "dynamic":
+        return None  # the prefill creates a DynamicCache
+    from transformers import StaticCache
+
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def _rewind_one_token(cache) -> None:
+    """Drop the token a decode step appended, so the next timed step sees the same cache."""
+    from transformers import StaticCache
+
+    if not isinstance(cache, StaticCache):
+        cache.crop(-1)
+        return
+    for layer in cache.layers:
+        # The slot is overwritten by the next step; only the write position has to move back.
+        if not hasattr(layer, "cumulative_length"):
+            raise RuntimeError("this transformers StaticCache layer has no cumulative_length to rewind; "
+                               "run `bench decode --cache dynamic`")
+        layer.cumulative_length.sub_(1)
+        if hasattr(layer, "cumulative_length_int"):  # sliding-window layers track it twice
+            layer.cumulative_length_int -= 1
+
+
 def run_decode(args) -> dict:
     """One batched decode step: full pool, phase-aware masking and physically pruned pools, per batch size."""
     import copy
@@ -268,7 +303,8 @@ def run_decode(args) -> dict:
         g = torch.Generator().manual_seed(batch)
         prompt = torch.randint(0, args.vocab, (batch, args.prompt), generator=g).to(device)
         with torch.no_grad():
-            cache = full(input_ids=prompt, use_cache=True).past_key_values
+            cache = _decode_cache(full, args.cache, args.prompt + 1)
+            cache = full(input_ids=prompt, past_key_values=cache, use_cache=True).past_key_values
         step_ids = torch.randint(0, args.vocab, (batch, 1), generator=g).to(device)
         touched: dict[str, list[float]] = {}
         # The first MoE layer's expert-module call (module, inputs) per model, replayed alone below to split the
@@ -289,7 +325,7 @@ def run_decode(args) -> dict:
                 model(input_ids=step_ids, past_key_values=cache, use_cache=True)
                 for h in hooks:
                     h.remove()
-                cache.crop(-1)  # undo the appended token so every run sees the same cache
+                _rewind_one_token(cache)  # every run sees the same prompt-length cache
                 touched.setdefault(name, []).append(sum(fractions) / len(fractions))
             return run
 
@@ -303,14 +339,18 @@ def run_decode(args) -> dict:
 
         fns = {"full": step(full, "full"), f"masked_{mask_ratio}": step(masked, f"masked_{mask_ratio}")}
         fns.update({f"pruned_{r}": step(pruned[r], f"pruned_{r}") for r in ratios})
-        times = interleaved_times(fns, args.repeats, 2, device)
+        # Small batches take milliseconds a step: give every variant at least --min-seconds of timed runs, so
+        # their ratios are not left to a handful of samples.
+        probe = interleaved_times(fns, 1, args.warmup, device)
+        repeats = max(args.repeats, math.ceil(args.min_seconds / max(min(v[0] for v in probe.values()), 1e-6)))
+        times = interleaved_times(fns, repeats, 0, device)
         med = {k: statistics.median(v) for k, v in times.items()}
-        expert_times = interleaved_times({k: experts_only(k) for k in fns}, args.repeats, 1, device)
+        expert_times = interleaved_times({k: experts_only(k) for k in fns}, repeats, 1, device)
         expert_med = {k: statistics.median(v) for k, v in expert_times.items()}
         experts_full = statistics.mean(touched["full"]) * args.experts
-        row = {"batch": batch, "step_s": {k: round(v, 5) for k, v in med.items()},
+        row = {"batch": batch, "repeats": repeats, "step_s": {k: round(v, 5) for k, v in med.items()},
                "experts_touched_share": {k: round(statistics.mean(v), 3) for k, v in touched.items()}}
-        row["masked_over_pruned"] = round(med[f"masked_{mask_ratio}"] / med[f"pruned_{mask_ratio}"], 3)
+        row["masked_over_pruned"] = round(_paired_ratio(times, f"masked_{mask_ratio}", f"pruned_{mask_ratio}"), 3)
         # Routed-expert matmuls of one layer replayed on the step's own routing, times the MoE layer count: the
         # part of the step that pruning shrinks; the rest (attention over the cache, router, LM head) it does not.
         row["experts_share_of_step"] = round(expert_med["full"] * len(layers) / med["full"], 3)
@@ -322,9 +362,9 @@ def run_decode(args) -> dict:
             kept = num_to_keep(args.experts, r)
             experts_pruned = statistics.mean(touched[f"pruned_{r}"]) * kept
             bound = experts_full / experts_pruned
-            speed = med["full"] / med[f"pruned_{r}"]
+            speed = _paired_ratio(times, "full", f"pruned_{r}")
             row["speedup"][str(r)] = round(speed, 3)
-            row["experts_only_speedup"][str(r)] = round(expert_med["full"] / expert_med[f"pruned_{r}"], 3)
+            row["experts_only_speedup"][str(r)] = round(_paired_ratio(expert_times, "full", f"pruned_{r}"), 3)
             row["bytes_bound"][str(r)] = round(bound, 3)
             row["bound_efficiency"][str(r)] = round(speed / bound, 3)
         results.append(row)
@@ -344,6 +384,7 @@ def run_decode(args) -> dict:
         "device": str(device),
         "model": f"{args.model_type} L{args.layers} H{args.hidden} E{args.experts} top{args.top_k} "
                  f"I{args.moe_intermediate} kv{full.config.num_key_value_heads}x64 {args.dtype}",
+        "cache": args.cache,
         "expert_bytes_per_layer": bytes_per_expert * args.experts,
         "prompt_len": args.prompt,
         "results": results,
@@ -667,16 +708,24 @@ def main(argv=None) -> int:
     loss.add_argument("--time-tokens", type=int, default=1024, help="tokens for the timing part")
     loss.add_argument("--repeats", type=int, default=3)
     decode = sub.add_parser("decode", help="one batched decode step: full, masked, pruned 25/50/75%")
-    # 8 of 128 experts as Qwen3-30B-A3B routes (the paper's models route 8 of 128 or 256). I512 puts 805 MB of fp32
-    # experts in a layer, near Qwen3-30B-A3B's 1.2 GB (bf16): the per-op costs of attention, router and cache do not
-    # shrink with the model, so at I256 (400 MB) they took 28% of the batch-64 step against 6-12% here.
-    _model_args(decode, hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=512, vocab=2048, repeats=9)
+    # 8 of 128 experts as Qwen3-30B-A3B routes (the paper's models route 8 of 128 or 256). I768 puts 1.2 GB of fp32
+    # experts in a layer, the bytes of Qwen3-30B-A3B's bf16 experts: the per-op costs of attention, router and cache
+    # do not grow with the experts, so at I256 (400 MB) they took 28% of the batch-64 step, at I512 6-12%.
+    _model_args(decode, hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=768, vocab=2048, repeats=15)
     decode.add_argument("--batches", default="1,8,32,64")
     decode.add_argument("--ratios", default="0.25,0.5,0.75")
     decode.add_argument("--prompt", type=int, default=256)
     decode.add_argument("--kv-heads", type=int, default=2,
                         help="key/value heads of 64 (default 2: 8 query heads per KV head, as Qwen3-30B-A3B's 32/4)")
     decode.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    decode.add_argument("--min-seconds", type=float, default=2.0,
+                        help="timed seconds per variant and batch size at least (more repeats for small batches)")
+    decode.add_argument("--warmup", type=int, default=4,
+                        help="untimed rounds of every variant first (the first few rounds after the models are "
+                             "built run slow and uneven here)")
+    decode.add_argument("--cache", choices=["static", "dynamic"], default="static",
+                        help="KV cache: preallocated and written in place (static, as serving engines do) or HF's "
+                             "DynamicCache, which re-copies it on every step")
     train = sub.add_parser("train", help="distillation step: ours vs naive two-copy step vs lower bound; memory")
     _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
                 repeats=3)

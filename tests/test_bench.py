@@ -14,7 +14,7 @@ TINY = {
     "calib": MODEL,
     "phase": MODEL,
     "loss": ["--tokens", "64", "--vocab", "500", "--top-k", "16", "--chunk", "16", "--time-tokens", "32", "--repeats", "2"],
-    "decode": [*MODEL, "--batches", "1,4", "--prompt", "8", "--kv-heads", "1"],
+    "decode": [*MODEL, "--batches", "1,4", "--prompt", "8", "--kv-heads", "1", "--min-seconds", "0", "--warmup", "1"],
     "train": [*MODEL, "--loss-top-k", "8", "--chunk", "8"],
 }
 
@@ -45,9 +45,31 @@ def test_bench_decode_bf16_and_bad_kv_heads(capsys):
 
 
 def test_bench_decode_targets_met_follow_the_batch_64_row(capsys):
-    assert main(["decode", *MODEL, "--batches", "64", "--prompt", "8", "--kv-heads", "1", "--ratios", "0.5"]) == 0
+    assert main(["decode", *MODEL, "--batches", "64", "--prompt", "8", "--kv-heads", "1", "--ratios", "0.5",
+                 "--min-seconds", "0"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     row, met, targets = result["results"][0], result["targets_met"], result["targets"]
     assert met["speedup_at_64"] == (row["speedup"]["0.5"] >= targets["pruned_0.5_speedup_at_64_min"])
     assert met["bound_efficiency_at_64"] == (row["bound_efficiency"]["0.5"] >= targets["bound_efficiency_min"])
     assert met["masked_over_pruned"] == (row["masked_over_pruned"] <= targets["masked_over_pruned_max"])
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_decode_cache_rewinds_so_repeated_steps_match_a_full_forward(kind):
+    """The timed decode step runs again and again on one cache: after each rewind it must give the logits of a
+    plain full-sequence forward (the slow reference), atol 1e-5 in fp32."""
+    import torch
+
+    from slimwise_train.bench import _decode_cache, _rewind_one_token, bench_model
+
+    model = bench_model("qwen3_moe", 32, 2, 8, 2, 16, 64, torch.device("cpu"), kv_heads=1).eval()
+    g = torch.Generator().manual_seed(0)
+    prompt, step = torch.randint(0, 64, (3, 8), generator=g), torch.randint(0, 64, (3, 1), generator=g)
+    with torch.no_grad():
+        reference = model(input_ids=torch.cat([prompt, step], 1)).logits[:, -1]
+        cache = model(input_ids=prompt, past_key_values=_decode_cache(model, kind, 9), use_cache=True).past_key_values
+        for _ in range(3):
+            logits = model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1]
+            _rewind_one_token(cache)
+            assert int(cache.get_seq_length()) == 8
+            torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
