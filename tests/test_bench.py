@@ -73,3 +73,11 @@ def test_decode_cache_rewinds_so_repeated_steps_match_a_full_forward(kind):
             _rewind_one_token(cache)
             assert int(cache.get_seq_length()) == 8
             torch.testing.assert_close(logits, reference, atol=1e-5, rtol=0)
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    from slimwise_train.bench import _paired_ratio
+
+    # Per-round ratios 2, 4, 3 -> median 3; the ratio of the medians would be 4 / 1 = 4.
+    times = {"full": [2.0, 4.0, 6.0], "pruned": [1.0, 1.0, 2.0]}
+    assert _paired_ratio(times, "full", "pruned") == 3.0
