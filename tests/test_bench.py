@@ -81,3 +81,12 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     # Per-round ratios 2, 4, 3 -> median 3; the ratio of the medians would be 4 / 1 = 4.
     times = {"full": [2.0, 4.0, 6.0], "pruned": [1.0, 1.0, 2.0]}
     assert _paired_ratio(times, "full", "pruned") == 3.0
+
+
+def test_bench_loss_measures_the_naive_memory_on_fewer_tokens(capsys):
+    assert main(["loss", *TINY["loss"], "--naive-tokens", "32"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == {"topk_residual": 64, "naive_full": 32}
+    assert result["logits_fp32_bytes"] == {"topk_residual": 64 * 500 * 4, "naive_full": 32 * 500 * 4}
+    ours = result["peak_extra_over_logits"]["topk_residual"]
+    assert result["targets_met"]["memory"] == (ours <= result["target_peak_extra_over_logits_max"])
