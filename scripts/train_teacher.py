@@ -173,7 +173,8 @@ def main(argv=None):
             break
         # Anneal by whichever budget runs out first, so a slower (shared) machine still ends at a low lr.
         progress = min(max(elapsed / budget_s, step / args.max_steps), 1.0)
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.final_lr + (1 - args.final_lr) * 0.5 * (1 + math.cos(math.pi * progress)))
+        cosine = 0.5 * (1 + math.cos(math.pi * progress))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (args.final_lr + (1 - args.final_lr) * cosine)
         for group in optimizer.param_groups:
             group["lr"] = lr
         out = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True)
