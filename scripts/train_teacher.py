@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from slimwise_train.data import synthetic  # noqa: E402
-from slimwise_train.evaluation import build_problems, family_budgets, greedy_accuracy  # noqa: E402
+from slimwise_train.eval.generation import build_problems, family_budgets, greedy_accuracy  # noqa: E402
 from slimwise_train.utils.atomic import atomic_dir  # noqa: E402
 
 TOKENIZER = REPO / "slimwise_train" / "assets" / "tokenizer"

@@ -1,6 +1,6 @@
-"""`python -m slimwise_train` and `torchrun ... -m slimwise_train`: the distillation trainer (see train.py)."""
+"""`python -m slimwise_train` and `torchrun ... -m slimwise_train`: the distillation trainer (the app lives in distill/app.py)."""
 
-from slimwise_train.train import main
+from slimwise_train.distill.app import main
 from slimwise_train.utils import distributed as du
 
 if __name__ == "__main__":

@@ -64,8 +64,8 @@ def bench_model(model_type: str, hidden: int, layers: int, experts: int, top_k: 
 
 
 def run_calib(args) -> dict:
-    from slimwise_train.scoring import ExpertStatistics
-    from slimwise_train.stats import ExpertStatsRecorder
+    from slimwise_train.prune.statistics import ExpertStatistics
+    from slimwise_train.moe.stats import ExpertStatsRecorder
 
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -73,7 +73,7 @@ def run_calib(args) -> dict:
                         args.vocab, device)
     batches = [torch.randint(0, args.vocab, (args.batch, args.seq), device=device) for _ in range(args.batches)]
     masks = [torch.ones_like(b) for b in batches]
-    from slimwise_train.adapters import get_adapter
+    from slimwise_train.moe.adapters import get_adapter
 
     layers = get_adapter(model).moe_layers(model)
     stats = ExpertStatistics.empty([m.layer_index for m in layers], layers[0].num_experts, layers[0].top_k)
@@ -107,9 +107,9 @@ def run_calib(args) -> dict:
 
 def run_phase(args) -> dict:
     """Cost of phase-aware masking: prefill with hooks installed vs the plain model, and decode (masked)."""
-    from slimwise_train.adapters import get_adapter
-    from slimwise_train.keepset import KeepSet
-    from slimwise_train.masking import PhaseMasking
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
+    from slimwise_train.moe.masking import PhaseMasking
 
     device = torch.device(args.device)
     model = bench_model(args.model_type, args.hidden, args.layers, args.experts, args.top_k, args.moe_intermediate,
@@ -283,11 +283,11 @@ def run_decode(args) -> dict:
     """One batched decode step: full pool, phase-aware masking and physically pruned pools, per batch size."""
     import copy
 
-    from slimwise_train.adapters import get_adapter
-    from slimwise_train.keepset import KeepSet
-    from slimwise_train.masking import PhaseMasking
-    from slimwise_train.pruning import prune_experts_
-    from slimwise_train.scoring import num_to_keep
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
+    from slimwise_train.moe.masking import PhaseMasking
+    from slimwise_train.moe.pruning import prune_experts_
+    from slimwise_train.prune.criteria import num_to_keep
 
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -444,17 +444,17 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
     import torch.nn.functional as F
     from transformers import DynamicCache
 
-    from slimwise_train.adapters import get_adapter
+    from slimwise_train.moe.adapters import get_adapter
     from slimwise_train.distill import batches as B
     from slimwise_train.distill.engine import TorchEngine
     from slimwise_train.distill.losses import IGNORE_INDEX
     from slimwise_train.distill.student import (DistillModel, SharedExpert, StudentSpec, activation_name, find_norms,
                                                 routed_expert_size, text_config)
     from slimwise_train.distill.trainer import Trainer
-    from slimwise_train.handoff import positions_from_mask
-    from slimwise_train.keepset import KeepSet
-    from slimwise_train.pruning import prune_experts_
-    from slimwise_train.scoring import num_to_keep
+    from slimwise_train.moe.handoff import positions_from_mask
+    from slimwise_train.moe.keepset import KeepSet
+    from slimwise_train.moe.pruning import prune_experts_
+    from slimwise_train.prune.criteria import num_to_keep
 
     torch.manual_seed(args["seed"])
     teacher = bench_model(args["model_type"], args["hidden"], args["layers"], args["experts"], args["top_k"],

@@ -9,8 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from pathlib import Path
+
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+# The Hydra config tree (conf/ at the repository root) shared by every app.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 @dataclass

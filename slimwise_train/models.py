@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slimwise_train.adapters import get_adapter
+from slimwise_train.moe.adapters import get_adapter
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer"

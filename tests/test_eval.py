@@ -21,18 +21,19 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from slimwise_train.adapters import get_adapter
+from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.data import synthetic
-from slimwise_train.eval import CONF_DIR, run_eval
-from slimwise_train.evaluation import (
+from slimwise_train.config import CONF_DIR
+from slimwise_train.eval.app import run_eval
+from slimwise_train.eval.generation import (
     Generation, build_problems, collapse_share, family_budgets, length_stats, p90, plan_batches, score_run,
     summarize,
 )
-from slimwise_train.handoff import continue_on_cache, handoff_generate, prefill
-from slimwise_train.keepset import KeepSet
-from slimwise_train.masking import PhaseMasking
+from slimwise_train.moe.handoff import continue_on_cache, handoff_generate, prefill
+from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.moe.masking import PhaseMasking
 from slimwise_train.models import SHIPPED_TOKENIZER, load_model
-from slimwise_train.pruning import export_pruned, prune_experts_
+from slimwise_train.moe.pruning import export_pruned, prune_experts_
 from slimwise_train.testing.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,12 +17,12 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from slimwise_train.adapters import SUPPORTED_FAMILIES, get_adapter
-from slimwise_train.handoff import continue_on_cache, copy_cache, handoff_generate, make_cache_autograd_safe, prefill
-from slimwise_train.keepset import KeepSet
-from slimwise_train.masking import PhaseMasking
-from slimwise_train.pruning import export_pruned, prune_experts_
-from slimwise_train.stats import record_expert_stats
+from slimwise_train.moe.adapters import SUPPORTED_FAMILIES, get_adapter
+from slimwise_train.moe.handoff import continue_on_cache, copy_cache, handoff_generate, make_cache_autograd_safe, prefill
+from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.moe.masking import PhaseMasking
+from slimwise_train.moe.pruning import export_pruned, prune_experts_
+from slimwise_train.moe.stats import record_expert_stats
 from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_VOCAB, tiny_model
 
 TOL = 1e-4

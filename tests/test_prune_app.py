@@ -14,9 +14,10 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from slimwise_train.keepset import KeepSet
-from slimwise_train.prune import CONF_DIR, run_prune
-from slimwise_train.scoring import load_scores
+from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.config import CONF_DIR
+from slimwise_train.prune.app import run_prune
+from slimwise_train.prune.statistics import load_scores
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

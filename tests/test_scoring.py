@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 import pytest
 
-from slimwise_train.adapters import get_adapter
-from slimwise_train.scoring import CRITERIA, ExpertStatistics, collect_statistics, get_criterion, select_keep
+from slimwise_train.moe.adapters import get_adapter
+from slimwise_train.prune.criteria import CRITERIA, get_criterion, select_keep
+from slimwise_train.prune.statistics import ExpertStatistics, collect_statistics
 from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_VOCAB, tiny_model
 
 
@@ -150,7 +151,7 @@ def test_unknown_criterion():
 
 
 def test_statistics_round_trip(tmp_path):
-    from slimwise_train.scoring import load_scores, save_scores
+    from slimwise_train.prune.statistics import load_scores, save_scores
 
     model = tiny_model("mixtral")
     stats = collect_statistics(model, [_batch()], progress=False)

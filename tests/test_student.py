@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slimwise_train.adapters import get_adapter
+from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.distill.export import export_student, folded_decoder, load_student, save_trainable
 from slimwise_train.distill.student import (
     NORM_DELTA,
@@ -27,9 +27,9 @@ from slimwise_train.distill.student import (
     find_norms,
     routed_expert_size,
 )
-from slimwise_train.handoff import continue_on_cache, prefill
-from slimwise_train.keepset import KeepSet
-from slimwise_train.masking import PhaseMasking
+from slimwise_train.moe.handoff import continue_on_cache, prefill
+from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.moe.masking import PhaseMasking
 from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_VOCAB, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ FRESH = r"""
 import sys, torch
 import slimwise_train.distill.export  # registers the Slimwise* architectures
 from transformers import AutoModelForCausalLM
-from slimwise_train.handoff import continue_on_cache, prefill
+from slimwise_train.moe.handoff import continue_on_cache, prefill
 root = sys.argv[1]
 for name in sys.argv[2:]:
     teacher = AutoModelForCausalLM.from_pretrained(f"{root}/{name}/teacher").eval()

@@ -12,9 +12,9 @@ import json
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from slimwise_train.adapters import get_adapter
+from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.data import synthetic
-from slimwise_train.evaluation import build_problems, greedy_accuracy
+from slimwise_train.eval.generation import build_problems, greedy_accuracy
 from slimwise_train.models import ASSETS
 
 TEACHER = ASSETS / "teacher"

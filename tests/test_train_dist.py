@@ -99,7 +99,7 @@ def test_engines_agree_with_each_other_and_with_one_process(runs, tmp_path):
 
     from slimwise_train.config import register_configs
     from slimwise_train.distill.trainer import run_train
-    from slimwise_train.prune import CONF_DIR
+    from slimwise_train.config import CONF_DIR
 
     # One process, two accumulation micro-batches of 4: the same global batch of 8 as 2 ranks x 1 x 4.
     register_configs()

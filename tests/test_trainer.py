@@ -23,7 +23,7 @@ from slimwise_train.config import register_configs
 from slimwise_train.distill import batches as B
 from slimwise_train.distill.losses import IGNORE_INDEX
 from slimwise_train.distill.trainer import NonFiniteLossError, Trainer, run_train
-from slimwise_train.prune import CONF_DIR
+from slimwise_train.config import CONF_DIR
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
@@ -117,7 +117,7 @@ import sys, torch
 from omegaconf import OmegaConf
 import slimwise_train.distill.export  # registers the Slimwise* architecture classes
 from transformers import AutoModelForCausalLM
-from slimwise_train.handoff import continue_on_cache, prefill
+from slimwise_train.moe.handoff import continue_on_cache, prefill
 from slimwise_train.models import load_model
 out = sys.argv[1]
 teacher, _ = load_model(OmegaConf.load(f"{out}/train_config.yaml").model, "cpu")
@@ -131,7 +131,7 @@ torch.save(logits, f"{out}/probe_fresh.pt")
 
 
 def test_exported_student_reloads_in_a_fresh_process(trained):
-    from slimwise_train.handoff import prefill
+    from slimwise_train.moe.handoff import prefill
 
     trainer, _, out = trained
     ids = torch.stack([torch.tensor(seq[:20]) for seq, _ in trainer.eval_seqs[:2]])
@@ -232,8 +232,8 @@ def test_too_short_sequences_are_skipped_and_counted(tmp_path):
 
 
 def test_keep_set_from_another_model_is_a_clear_error(tmp_path):
-    from slimwise_train.adapters import get_adapter
-    from slimwise_train.keepset import KeepSet
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
     from slimwise_train.testing.tiny import tiny_model
 
     other = tiny_model("mixtral")
@@ -315,8 +315,8 @@ def test_every_experiment_composes_and_starts_with_its_launch_command(name, tmp_
 def test_every_family_trains_through_the_trainer(family, tmp_path):
     """Two steps per family: shared-expert models, hybrid linear-attention caches (autograd-safe), sliding windows,
     MLA caches, biased routers all run through teacher prefill -> copied cache -> student continuation."""
-    from slimwise_train.adapters import get_adapter
-    from slimwise_train.keepset import KeepSet
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
     from slimwise_train.testing.tiny import tiny_model
 
     model = tiny_model(family)  # only for the layer layout of the keep set (scoring is tested with qwen3_moe)

@@ -34,8 +34,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from slimwise_train.adapters import get_adapter
-from slimwise_train.adapters import _BY_MODEL_TYPE as ADAPTER_BY_MODEL_TYPE
+from slimwise_train.moe.adapters import get_adapter
+from slimwise_train.moe.adapters import _BY_MODEL_TYPE as ADAPTER_BY_MODEL_TYPE
 from slimwise_train.distill.student import (
     NORM_DELTA,
     ROUTER_DELTA,
@@ -45,8 +45,8 @@ from slimwise_train.distill.student import (
     StudentSpec,
     text_config,
 )
-from slimwise_train.keepset import KeepSet
-from slimwise_train.pruning import check_exportable, prune_experts_
+from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.moe.pruning import check_exportable, prune_experts_
 from slimwise_train.utils.atomic import atomic_dir, atomic_path
 
 TRAINABLE_FORMAT = "slimwise-student-trainable/1"

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from slimwise_train.adapters import MoEAdapter, MoELayer, get_adapter
-from slimwise_train.keepset import KeepSet
+from slimwise_train.moe.adapters import MoEAdapter, MoELayer, get_adapter
+from slimwise_train.moe.keepset import KeepSet
 
 PHASES = ("teacher", "student")
 # Attribute names of the added children; export.py and the trainable-tensor file rely on them.

@@ -29,7 +29,7 @@ import torch
 from omegaconf import OmegaConf
 from transformers import DynamicCache
 
-from slimwise_train.adapters import get_adapter
+from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.config import to_container
 from slimwise_train.distill import batches as B
 from slimwise_train.distill.checkpoint import gather_objects, load_checkpoint, resolve_resume, save_checkpoint
@@ -37,8 +37,8 @@ from slimwise_train.distill.engine import build_engine, validate_engine_config
 from slimwise_train.distill.losses import KL_LOSSES, distill_loss
 from slimwise_train.distill.metrics import LOGGERS, build_sink
 from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
-from slimwise_train.handoff import copy_cache, make_cache_autograd_safe, positions_from_mask
-from slimwise_train.keepset import KeepSet
+from slimwise_train.moe.handoff import copy_cache, make_cache_autograd_safe, positions_from_mask
+from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
 
@@ -196,8 +196,8 @@ class Trainer:
 
     def _resolve_keep_set(self, model) -> KeepSet:
         """prune.keep_set (a keep_set.json), or scored now with the prune library (what makes a ratio sweep work)."""
-        from slimwise_train.prune import compute_or_load_statistics, validate_prune_config
-        from slimwise_train.scoring import get_criterion, model_fingerprint, select_keep
+        from slimwise_train.prune.criteria import get_criterion, select_keep, validate_prune_config
+        from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
 
         cfg = self.cfg
         adapter = get_adapter(model)

@@ -19,8 +19,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from slimwise_train.adapters import MoEAdapter, get_adapter
-from slimwise_train.keepset import KeepSet
+from slimwise_train.moe.adapters import MoEAdapter, get_adapter
+from slimwise_train.moe.keepset import KeepSet
 
 PHASES = ("prefill", "decode", "auto")
 

@@ -1,4 +1,4 @@
-"""Expert statistics, saliency criteria and keep-set selection.
+"""Expert statistics over a calibration set: accumulation, scores files, the cache key and the cache.
 
 Shape legend: L MoE layers, E experts per layer, T tokens, K experts per token.
 
@@ -16,23 +16,29 @@ where p_j is the router probability over all experts (softmax of the logits; sig
 DeepSeek-V3; Gemma 4's router output), g_j the model's own routing weight after its normalisation and
 scaling (what multiplies f_j in the forward), and f_j the expert's unweighted output.
 
-Criteria are pure functions of those sums, registered by name; higher score = more worth keeping.
+Criteria (slimwise_train.prune.criteria) are pure functions of those sums, registered by name.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
+import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from pathlib import Path
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from slimwise_train.stats import RoutingRecord
+from slimwise_train.config import to_container
+from slimwise_train.moe.stats import RoutingRecord
+from slimwise_train.prune.criteria import CRITERIA
+from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import atomic_path
+
+log = logging.getLogger("slimwise.prune")
 
 SUM_FIELDS = ("frequency", "mass_all", "mass_routed", "gate_sum", "ean_sum", "reap_sum")
 STATS_FORMAT = "slimwise-expert-stats/1"
@@ -103,118 +109,6 @@ class ExpertStatistics:
         )
 
 
-# --------------------------------------------------------------------------- criteria
-
-
-def frequency(stats: ExpertStatistics) -> torch.Tensor:
-    """[L, E]: n_j, the number of calibration tokens routed to expert j."""
-    return stats.frequency.clone()
-
-
-def routing_mass(stats: ExpertStatistics) -> torch.Tensor:
-    """[L, E]: sum over ALL calibration tokens of p_j(x), the router probability of j (routed or not)."""
-    return stats.mass_all.clone()
-
-
-def routing_mass_routed(stats: ExpertStatistics) -> torch.Tensor:
-    """[L, E]: sum over the tokens ROUTED to j of p_j(x) (the REAP codebase's weighted frequency)."""
-    return stats.mass_routed.clone()
-
-
-def ean(stats: ExpertStatistics) -> torch.Tensor:
-    """[L, E]: EAN_j = sum over tokens routed to j of ||f_j(x)||_2 (unweighted expert output norm)."""
-    return stats.ean_sum.clone()
-
-
-def reap(stats: ExpertStatistics) -> torch.Tensor:
-    """[L, E]: REAP_j = (1/n_j) sum over tokens routed to j of g_j(x) ||f_j(x)||_2; 0 for never-routed experts."""
-    return torch.where(stats.frequency > 0, stats.reap_sum / stats.frequency.clamp(min=1), torch.zeros_like(stats.reap_sum))
-
-
-CRITERIA: dict[str, Callable[[ExpertStatistics], torch.Tensor]] = {
-    "frequency": frequency,
-    "mass": routing_mass,
-    "mass_routed": routing_mass_routed,
-    "ean": ean,
-    "reap": reap,
-}
-
-
-def get_criterion(name: str) -> Callable[[ExpertStatistics], torch.Tensor]:
-    if name not in CRITERIA:
-        raise ValueError(f"unknown criterion {name!r}; choose one of: {', '.join(CRITERIA)}")
-    return CRITERIA[name]
-
-
-# --------------------------------------------------------------------------- selection
-
-
-def rank_experts(scores: torch.Tensor) -> torch.Tensor:
-    """[E] scores -> [E] expert indices, best first; ties go to the lower index (deterministic)."""
-    # A stable sort of -score keeps index order among equal scores on every platform.
-    return torch.sort(-scores.double(), stable=True).indices
-
-
-def num_to_keep(num_experts: int, ratio: float) -> int:
-    return num_experts - int(math.floor(num_experts * ratio + 1e-9))
-
-
-def select_keep(
-    scores: torch.Tensor,
-    ratio: float,
-    top_k: int,
-    scope: str = "layer",
-    num_groups: int = 1,
-) -> list[list[int]]:
-    """[L, E] scores -> kept expert indices per layer (sorted).
-
-    scope="layer": every layer drops floor(E * ratio) experts (uniform counts).
-    scope="global": one ranking over all layers keeps the same total, but a layer never keeps fewer than
-    top_k experts (its best top_k are reserved first). Raw scores are compared across layers, so use it
-    with criteria on a common scale (frequency, mass).
-    num_groups > 1 (DeepSeek-V3 group-limited routing): each group keeps the same number of experts.
-    """
-    if not 0.0 < ratio < 1.0:
-        raise ValueError(f"prune.ratio must be in (0, 1), got {ratio}")
-    num_layers, num_experts = scores.shape
-    keep = num_to_keep(num_experts, ratio)
-    if keep < top_k:
-        raise ValueError(
-            f"pruning ratio {ratio} keeps {keep} of {num_experts} experts per layer, fewer than the router's "
-            f"top-{top_k}; use prune.ratio <= {1 - top_k / num_experts:.4g}"
-        )
-    if scope == "layer":
-        if num_groups > 1:
-            if num_experts % num_groups or keep % num_groups or keep // num_groups < 2:
-                raise ValueError(
-                    f"{num_groups} expert groups: the {keep} kept experts per layer must split evenly with >= 2 "
-                    "per group; pick another ratio"
-                )
-            per_group, size = keep // num_groups, num_experts // num_groups
-            return [
-                sorted(int(g * size + j) for g in range(num_groups) for j in rank_experts(scores[l, g * size:(g + 1) * size])[:per_group])
-                for l in range(num_layers)
-            ]
-        return [sorted(int(j) for j in rank_experts(scores[l])[:keep]) for l in range(num_layers)]
-    if scope == "global":
-        if num_groups > 1:
-            raise ValueError("prune.scope=global cannot keep expert groups balanced; use prune.scope=layer")
-        total = keep * num_layers
-        kept = [set(int(j) for j in rank_experts(scores[l])[:top_k]) for l in range(num_layers)]
-        flat = scores.double().reshape(-1)
-        order = torch.sort(-flat, stable=True).indices
-        remaining = total - sum(len(k) for k in kept)
-        for pos in order.tolist():
-            if remaining == 0:
-                break
-            l, j = divmod(pos, num_experts)
-            if j not in kept[l]:
-                kept[l].add(j)
-                remaining -= 1
-        return [sorted(k) for k in kept]
-    raise ValueError(f"unknown prune.scope {scope!r}; use 'layer' or 'global'")
-
-
 # --------------------------------------------------------------------------- scores files
 
 
@@ -273,8 +167,8 @@ def collect_statistics(model, batches: Iterable[dict], progress: bool = True, to
     """
     from tqdm.auto import tqdm
 
-    from slimwise_train.adapters import get_adapter
-    from slimwise_train.stats import ExpertStatsRecorder
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.stats import ExpertStatsRecorder
 
     adapter = get_adapter(model)
     layers = adapter.moe_layers(model)
@@ -289,3 +183,57 @@ def collect_statistics(model, batches: Iterable[dict], progress: bool = True, to
             model(input_ids=input_ids, attention_mask=mask, use_cache=False)
     stats.all_reduce()
     return stats
+
+
+def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
+    data = {k: data_cfg[k] for k in ("source", "split", "subset", "text_field", "num_samples", "seq_len",
+                                     "chat_template", "seed", "shuffle")}
+    from slimwise_train.data.loading import source_digest
+
+    data["source_digest"] = source_digest(str(data_cfg["source"]))  # an edited recipe or local file: recompute
+    payload = {"model": fingerprint, "data": data, "tokenizer": [type(tokenizer).__name__, len(tokenizer)]}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
+    """(ExpertStatistics, metadata, source) where source is 'file', 'cache' or 'computed'."""
+    from slimwise_train.data.loading import calibration_batches, encode_all, load_pairs, num_batches
+
+    if cfg.prune.scores:
+        stats, meta = load_scores(cfg.prune.scores)
+        check_same_model(meta.get("model", {}), fingerprint, cfg.prune.scores)
+        return stats, meta, "file"
+    key = statistics_key(fingerprint, cfg.data, tokenizer)
+    cache_file = Path(cfg.prune.cache_dir) / f"{key}.safetensors"
+    if cfg.prune.use_cache and cache_file.is_file():
+        stats, meta = load_scores(cache_file)
+        check_same_model(meta.get("model", {}), fingerprint, cache_file)
+        log.info("statistics: cache hit %s", cache_file)
+        return stats, meta, "cache"
+    pairs = load_pairs(cfg.data)
+    encoded = encode_all(tokenizer, pairs, cfg.data)
+    rank, world = du.rank(), du.world_size()
+    if len(encoded) < world:
+        raise ValueError(f"calibration set has {len(encoded)} sequences for {world} ranks; raise data.num_samples")
+    log.info("statistics: calibrating on %d sequences (%d tokens) across %d rank(s)", len(encoded),
+             sum(len(e[0]) for e in encoded), world)
+    batches = calibration_batches(encoded, cfg.data.batch_size, tokenizer.pad_token_id, rank, world)
+    stats = collect_statistics(model, batches, progress=cfg.progress,
+                               total=num_batches(len(encoded), cfg.data.batch_size, rank, world))
+    meta = {
+        "model": fingerprint,
+        "calibration": {**to_container(cfg.data), "num_sequences": len(encoded),
+                        "num_tokens": int(stats.num_tokens[0].item())},
+    }
+    if cfg.prune.use_cache and du.is_rank0():
+        save_scores(cache_file, stats, meta)
+    return stats, {**meta, "layer_indices": list(stats.layer_indices)}, "computed"
+
+
+def check_same_model(recorded: dict, fingerprint: dict, where) -> None:
+    if recorded != fingerprint:
+        differing = sorted(k for k in set(recorded) | set(fingerprint) if recorded.get(k) != fingerprint.get(k))
+        raise ValueError(
+            f"scores file {where} was computed on another model (differs in {', '.join(differing)}); "
+            "re-run scoring on this model or drop prune.scores"
+        )

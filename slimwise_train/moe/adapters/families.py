@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from slimwise_train.adapters.base import MoEAdapter, MoELayer, softmax_topk_route
+from slimwise_train.moe.adapters.base import MoEAdapter, MoELayer, softmax_topk_route
 
 
 class SoftmaxTopKAdapter(MoEAdapter):

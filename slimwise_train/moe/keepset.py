@@ -127,7 +127,7 @@ class KeepSet:
 
     def check_model(self, model, adapter=None) -> None:
         """Raise a one-line ValueError unless this keep set fits `model` (layer indices, counts, top-k, family)."""
-        from slimwise_train.adapters import get_adapter, model_type_of
+        from slimwise_train.moe.adapters import get_adapter, model_type_of
 
         adapter = adapter or get_adapter(model)
         moes = adapter.moe_layers(model)
@@ -193,7 +193,7 @@ class KeepSet:
 
 
 def _family_of(model_type: str) -> str:
-    from slimwise_train.adapters import _BY_MODEL_TYPE
+    from slimwise_train.moe.adapters import _BY_MODEL_TYPE
 
     cls = _BY_MODEL_TYPE.get(model_type)
     return cls.family if cls else model_type

@@ -16,7 +16,6 @@ criteria calibrates once.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -25,77 +24,11 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import register_configs, to_container
+from slimwise_train.config import CONF_DIR, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import user_errors
 
 log = logging.getLogger("slimwise.prune")
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
-
-
-def validate_prune_config(prune_cfg) -> None:
-    from slimwise_train.scoring import get_criterion
-
-    if not 0.0 < float(prune_cfg.ratio) < 1.0:
-        raise ValueError(f"prune.ratio must be in (0, 1), got {prune_cfg.ratio}; e.g. prune.ratio=0.5 removes half")
-    get_criterion(prune_cfg.criterion)
-    if prune_cfg.scope not in ("layer", "global"):
-        raise ValueError(f"unknown prune.scope {prune_cfg.scope!r}; use layer or global")
-
-
-def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
-    data = {k: data_cfg[k] for k in ("source", "split", "subset", "text_field", "num_samples", "seq_len",
-                                     "chat_template", "seed", "shuffle")}
-    from slimwise_train.data.loading import source_digest
-
-    data["source_digest"] = source_digest(str(data_cfg["source"]))  # an edited recipe or local file: recompute
-    payload = {"model": fingerprint, "data": data, "tokenizer": [type(tokenizer).__name__, len(tokenizer)]}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
-
-
-def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
-    """(ExpertStatistics, metadata, source) where source is 'file', 'cache' or 'computed'."""
-    from slimwise_train.data.loading import calibration_batches, encode_all, load_pairs, num_batches
-    from slimwise_train.scoring import collect_statistics, load_scores, save_scores
-
-    if cfg.prune.scores:
-        stats, meta = load_scores(cfg.prune.scores)
-        check_same_model(meta.get("model", {}), fingerprint, cfg.prune.scores)
-        return stats, meta, "file"
-    key = statistics_key(fingerprint, cfg.data, tokenizer)
-    cache_file = Path(cfg.prune.cache_dir) / f"{key}.safetensors"
-    if cfg.prune.use_cache and cache_file.is_file():
-        stats, meta = load_scores(cache_file)
-        check_same_model(meta.get("model", {}), fingerprint, cache_file)
-        log.info("statistics: cache hit %s", cache_file)
-        return stats, meta, "cache"
-    pairs = load_pairs(cfg.data)
-    encoded = encode_all(tokenizer, pairs, cfg.data)
-    rank, world = du.rank(), du.world_size()
-    if len(encoded) < world:
-        raise ValueError(f"calibration set has {len(encoded)} sequences for {world} ranks; raise data.num_samples")
-    log.info("statistics: calibrating on %d sequences (%d tokens) across %d rank(s)", len(encoded),
-             sum(len(e[0]) for e in encoded), world)
-    batches = calibration_batches(encoded, cfg.data.batch_size, tokenizer.pad_token_id, rank, world)
-    stats = collect_statistics(model, batches, progress=cfg.progress,
-                               total=num_batches(len(encoded), cfg.data.batch_size, rank, world))
-    meta = {
-        "model": fingerprint,
-        "calibration": {**to_container(cfg.data), "num_sequences": len(encoded),
-                        "num_tokens": int(stats.num_tokens[0].item())},
-    }
-    if cfg.prune.use_cache and du.is_rank0():
-        save_scores(cache_file, stats, meta)
-    return stats, {**meta, "layer_indices": list(stats.layer_indices)}, "computed"
-
-
-def check_same_model(recorded: dict, fingerprint: dict, where) -> None:
-    if recorded != fingerprint:
-        differing = sorted(k for k in set(recorded) | set(fingerprint) if recorded.get(k) != fingerprint.get(k))
-        raise ValueError(
-            f"scores file {where} was computed on another model (differs in {', '.join(differing)}); "
-            "re-run scoring on this model or drop prune.scores"
-        )
 
 
 def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
@@ -112,11 +45,12 @@ def run_prune(cfg) -> dict:
     """The whole prune job; returns the summary. Importable for tests and notebooks."""
     from safetensors.torch import save_file
 
-    from slimwise_train.adapters import get_adapter
-    from slimwise_train.keepset import KeepSet
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
     from slimwise_train.models import load_model, model_identity
-    from slimwise_train.pruning import check_exportable, export_pruned
-    from slimwise_train.scoring import get_criterion, model_fingerprint, save_scores, select_keep
+    from slimwise_train.moe.pruning import check_exportable, export_pruned
+    from slimwise_train.prune.criteria import get_criterion, select_keep, validate_prune_config
+    from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint, save_scores
     from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
 
     validate_prune_config(cfg.prune)
@@ -176,9 +110,3 @@ def main(cfg: DictConfig) -> None:
     with user_errors("slimwise_train.prune"):
         run_prune(cfg)
 
-
-if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        du.shutdown()

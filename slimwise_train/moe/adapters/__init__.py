@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from slimwise_train.adapters.base import MoEAdapter, MoELayer, RouterOutput
-from slimwise_train.adapters.families import ADAPTERS
+from slimwise_train.moe.adapters.base import MoEAdapter, MoELayer, RouterOutput
+from slimwise_train.moe.adapters.families import ADAPTERS
 
 _BY_MODEL_TYPE: dict[str, type[MoEAdapter]] = {mt: cls for cls in ADAPTERS for mt in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slimwise_train.adapters import MoEAdapter, get_adapter
-from slimwise_train.keepset import KeepSet
+from slimwise_train.moe.adapters import MoEAdapter, get_adapter
+from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.atomic import atomic_dir
 
 

@@ -39,9 +39,9 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from slimwise_train.handoff import handoff_generate, prefill
-from slimwise_train.keepset import KeepSet
-from slimwise_train.masking import PhaseMasking, get_masking
+from slimwise_train.moe.handoff import handoff_generate, prefill
+from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.moe.masking import PhaseMasking, get_masking
 
 log = logging.getLogger("slimwise.eval")
 

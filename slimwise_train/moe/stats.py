@@ -11,7 +11,7 @@ Two pieces cooperate per MoE layer:
     the layer output is what the stock backend computes.
 
 Each layer call produces a `RoutingRecord` handed to `on_record`; accumulation (float64 sums, criteria)
-belongs to the caller (see slimwise_train.scoring).
+belongs to the caller (see slimwise_train.prune.statistics).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from slimwise_train.adapters import get_adapter
+from slimwise_train.moe.adapters import get_adapter
 
 STATS_BACKEND = "slimwise_stats"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slimwise_train.masking import model_phase
+from slimwise_train.moe.masking import model_phase
 
 
 def make_cache_autograd_safe(cache) -> None:

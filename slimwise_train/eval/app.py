@@ -11,7 +11,7 @@ Writes into output_dir (each file atomically, only after every generation is don
   lengths_<keep set>.png  output-length CDFs per family, one line per mode
   eval_config.yaml        the resolved config
   generations.jsonl       every output text (eval.save_generations=true)
-See `slimwise_train.evaluation` for the metric definitions.
+See `slimwise_train.eval.generation` for the metric definitions.
 """
 
 from __future__ import annotations
@@ -25,18 +25,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import register_configs, to_container
+from slimwise_train.config import CONF_DIR, register_configs, to_container
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import user_errors
 
 log = logging.getLogger("slimwise.eval")
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 LOGGERS = ("none", "wandb")
 
 
 def keep_set_name(path: str | Path, taken: set[str]) -> str:
     """A short unique name: the folder of a `keep_set.json` (e.g. `reap-r0.5`), else the file stem."""
-    from slimwise_train.evaluation import safe_name
+    from slimwise_train.eval.generation import safe_name
 
     path = Path(path)
     base = safe_name(path.parent.name if path.stem == "keep_set" and path.parent.name else path.stem)
@@ -48,7 +47,7 @@ def keep_set_name(path: str | Path, taken: set[str]) -> str:
 
 
 def validate_eval_config(cfg) -> None:
-    from slimwise_train.evaluation import MODES, check_student_path
+    from slimwise_train.eval.generation import MODES, check_student_path
 
     ev = cfg.eval
     unknown = [m for m in ev.modes if m not in MODES]
@@ -71,7 +70,7 @@ def validate_eval_config(cfg) -> None:
 
 def load_keep_sets(paths) -> tuple[dict, dict]:
     """({name: KeepSet}, {name: path}); FileNotFoundError / ValueError name the bad file."""
-    from slimwise_train.keepset import KeepSet
+    from slimwise_train.moe.keepset import KeepSet
 
     keep_sets, where, taken = {}, {}, set()
     for path in paths:
@@ -93,7 +92,7 @@ def wandb_mode(logger_cfg) -> str:
 def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
     import wandb
 
-    from slimwise_train.evaluation import wandb_rows
+    from slimwise_train.eval.generation import wandb_rows
 
     run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, name=cfg.logger.get("run_name"),
                      mode=wandb_mode(cfg.logger),
@@ -107,7 +106,7 @@ def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
 
 def run_eval(cfg) -> dict:
     """The whole eval job; returns the results dict. Importable for tests and notebooks."""
-    from slimwise_train.evaluation import build_problems, evaluate, load_student, plot_lengths, render_markdown
+    from slimwise_train.eval.generation import build_problems, evaluate, load_student, plot_lengths, render_markdown
     from slimwise_train.models import load_model, model_identity
     from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
 
@@ -172,9 +171,3 @@ def main(cfg: DictConfig) -> None:
     with user_errors("slimwise_train.eval"):
         run_eval(cfg)
 
-
-if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        du.shutdown()

@@ -18,8 +18,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from slimwise_train.config import register_configs
-from slimwise_train.prune import CONF_DIR
+from slimwise_train.config import CONF_DIR, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import user_errors
 

@@ -1,0 +1,136 @@
+"""Saliency criteria and keep-set selection: pure functions of `ExpertStatistics`, picked by name.
+
+Shape legend: L MoE layers, E experts per layer. Every criterion maps the float64 sums of
+`slimwise_train.prune.statistics.ExpertStatistics` to [L, E] scores; higher = more worth keeping.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from slimwise_train.prune.statistics import ExpertStatistics
+
+
+def validate_prune_config(prune_cfg) -> None:
+    if not 0.0 < float(prune_cfg.ratio) < 1.0:
+        raise ValueError(f"prune.ratio must be in (0, 1), got {prune_cfg.ratio}; e.g. prune.ratio=0.5 removes half")
+    get_criterion(prune_cfg.criterion)
+    if prune_cfg.scope not in ("layer", "global"):
+        raise ValueError(f"unknown prune.scope {prune_cfg.scope!r}; use layer or global")
+
+
+
+# --------------------------------------------------------------------------- criteria
+
+
+def frequency(stats: ExpertStatistics) -> torch.Tensor:
+    """[L, E]: n_j, the number of calibration tokens routed to expert j."""
+    return stats.frequency.clone()
+
+
+def routing_mass(stats: ExpertStatistics) -> torch.Tensor:
+    """[L, E]: sum over ALL calibration tokens of p_j(x), the router probability of j (routed or not)."""
+    return stats.mass_all.clone()
+
+
+def routing_mass_routed(stats: ExpertStatistics) -> torch.Tensor:
+    """[L, E]: sum over the tokens ROUTED to j of p_j(x) (the REAP codebase's weighted frequency)."""
+    return stats.mass_routed.clone()
+
+
+def ean(stats: ExpertStatistics) -> torch.Tensor:
+    """[L, E]: EAN_j = sum over tokens routed to j of ||f_j(x)||_2 (unweighted expert output norm)."""
+    return stats.ean_sum.clone()
+
+
+def reap(stats: ExpertStatistics) -> torch.Tensor:
+    """[L, E]: REAP_j = (1/n_j) sum over tokens routed to j of g_j(x) ||f_j(x)||_2; 0 for never-routed experts."""
+    return torch.where(stats.frequency > 0, stats.reap_sum / stats.frequency.clamp(min=1), torch.zeros_like(stats.reap_sum))
+
+
+CRITERIA: dict[str, Callable[[ExpertStatistics], torch.Tensor]] = {
+    "frequency": frequency,
+    "mass": routing_mass,
+    "mass_routed": routing_mass_routed,
+    "ean": ean,
+    "reap": reap,
+}
+
+
+def get_criterion(name: str) -> Callable[[ExpertStatistics], torch.Tensor]:
+    if name not in CRITERIA:
+        raise ValueError(f"unknown criterion {name!r}; choose one of: {', '.join(CRITERIA)}")
+    return CRITERIA[name]
+
+
+# --------------------------------------------------------------------------- selection
+
+
+def rank_experts(scores: torch.Tensor) -> torch.Tensor:
+    """[E] scores -> [E] expert indices, best first; ties go to the lower index (deterministic)."""
+    # A stable sort of -score keeps index order among equal scores on every platform.
+    return torch.sort(-scores.double(), stable=True).indices
+
+
+def num_to_keep(num_experts: int, ratio: float) -> int:
+    return num_experts - int(math.floor(num_experts * ratio + 1e-9))
+
+
+def select_keep(
+    scores: torch.Tensor,
+    ratio: float,
+    top_k: int,
+    scope: str = "layer",
+    num_groups: int = 1,
+) -> list[list[int]]:
+    """[L, E] scores -> kept expert indices per layer (sorted).
+
+    scope="layer": every layer drops floor(E * ratio) experts (uniform counts).
+    scope="global": one ranking over all layers keeps the same total, but a layer never keeps fewer than
+    top_k experts (its best top_k are reserved first). Raw scores are compared across layers, so use it
+    with criteria on a common scale (frequency, mass).
+    num_groups > 1 (DeepSeek-V3 group-limited routing): each group keeps the same number of experts.
+    """
+    if not 0.0 < ratio < 1.0:
+        raise ValueError(f"prune.ratio must be in (0, 1), got {ratio}")
+    num_layers, num_experts = scores.shape
+    keep = num_to_keep(num_experts, ratio)
+    if keep < top_k:
+        raise ValueError(
+            f"pruning ratio {ratio} keeps {keep} of {num_experts} experts per layer, fewer than the router's "
+            f"top-{top_k}; use prune.ratio <= {1 - top_k / num_experts:.4g}"
+        )
+    if scope == "layer":
+        if num_groups > 1:
+            if num_experts % num_groups or keep % num_groups or keep // num_groups < 2:
+                raise ValueError(
+                    f"{num_groups} expert groups: the {keep} kept experts per layer must split evenly with >= 2 "
+                    "per group; pick another ratio"
+                )
+            per_group, size = keep // num_groups, num_experts // num_groups
+            return [
+                sorted(int(g * size + j) for g in range(num_groups) for j in rank_experts(scores[l, g * size:(g + 1) * size])[:per_group])
+                for l in range(num_layers)
+            ]
+        return [sorted(int(j) for j in rank_experts(scores[l])[:keep]) for l in range(num_layers)]
+    if scope == "global":
+        if num_groups > 1:
+            raise ValueError("prune.scope=global cannot keep expert groups balanced; use prune.scope=layer")
+        total = keep * num_layers
+        kept = [set(int(j) for j in rank_experts(scores[l])[:top_k]) for l in range(num_layers)]
+        flat = scores.double().reshape(-1)
+        order = torch.sort(-flat, stable=True).indices
+        remaining = total - sum(len(k) for k in kept)
+        for pos in order.tolist():
+            if remaining == 0:
+                break
+            l, j = divmod(pos, num_experts)
+            if j not in kept[l]:
+                kept[l].add(j)
+                remaining -= 1
+        return [sorted(k) for k in kept]
+    raise ValueError(f"unknown prune.scope {scope!r}; use 'layer' or 'global'")
