@@ -60,7 +60,8 @@ def test_decode_cache_rewinds_so_repeated_steps_match_a_full_forward(kind):
     plain full-sequence forward (the slow reference), atol 1e-5 in fp32."""
     import torch
 
-    from slimwise_train.bench import _decode_cache, _rewind_one_token, bench_model
+    from slimwise_train.bench.common import bench_model
+    from slimwise_train.bench.decode import _decode_cache, _rewind_one_token
 
     model = bench_model("qwen3_moe", 32, 2, 8, 2, 16, 64, torch.device("cpu"), kv_heads=1).eval()
     g = torch.Generator().manual_seed(0)
@@ -76,7 +77,7 @@ def test_decode_cache_rewinds_so_repeated_steps_match_a_full_forward(kind):
 
 
 def test_paired_ratio_is_the_median_of_per_round_ratios():
-    from slimwise_train.bench import _paired_ratio
+    from slimwise_train.bench.common import _paired_ratio
 
     # Per-round ratios 2, 4, 3 -> median 3; the ratio of the medians would be 4 / 1 = 4.
     times = {"full": [2.0, 4.0, 6.0], "pruned": [1.0, 1.0, 2.0]}
@@ -90,3 +91,13 @@ def test_bench_loss_measures_the_naive_memory_on_fewer_tokens(capsys):
     assert result["logits_fp32_bytes"] == {"topk_residual": 64 * 500 * 4, "naive_full": 32 * 500 * 4}
     ours = result["peak_extra_over_logits"]["topk_residual"]
     assert result["targets_met"]["memory"] == (ours <= result["target_peak_extra_over_logits_max"])
+
+
+def test_bench_help_lists_every_bench(capsys):
+    """`--help` prints the package docstring and every subcommand (a bare `%` in a help string used to crash it)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert "side-by-side benchmarks that print one JSON line each" in out
+    assert all(f"python -m slimwise_train.bench {name}" in out for name in BENCHES)

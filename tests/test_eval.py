@@ -25,10 +25,8 @@ from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.data import synthetic
 from slimwise_train.config import CONF_DIR
 from slimwise_train.eval.app import run_eval
-from slimwise_train.eval.generation import (
-    Generation, build_problems, collapse_share, family_budgets, length_stats, p90, plan_batches, score_run,
-    summarize,
-)
+from slimwise_train.eval.generation import Generation, build_problems, family_budgets, plan_batches
+from slimwise_train.eval.metrics import collapse_share, length_stats, p90, score_run, summarize
 from slimwise_train.moe.handoff import continue_on_cache, handoff_generate, prefill
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.masking import PhaseMasking

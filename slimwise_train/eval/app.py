@@ -11,7 +11,7 @@ Writes into output_dir (each file atomically, only after every generation is don
   lengths_<keep set>.png  output-length CDFs per family, one line per mode
   eval_config.yaml        the resolved config
   generations.jsonl       every output text (eval.save_generations=true)
-See `slimwise_train.eval.generation` for the metric definitions.
+See `slimwise_train.eval.metrics` for the metric definitions.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LOGGERS = ("none", "wandb")
 
 def keep_set_name(path: str | Path, taken: set[str]) -> str:
     """A short unique name: the folder of a `keep_set.json` (e.g. `reap-r0.5`), else the file stem."""
-    from slimwise_train.eval.generation import safe_name
+    from slimwise_train.eval.report import safe_name
 
     path = Path(path)
     base = safe_name(path.parent.name if path.stem == "keep_set" and path.parent.name else path.stem)
@@ -92,7 +92,7 @@ def wandb_mode(logger_cfg) -> str:
 def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
     import wandb
 
-    from slimwise_train.eval.generation import wandb_rows
+    from slimwise_train.eval.report import wandb_rows
 
     run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, name=cfg.logger.get("run_name"),
                      mode=wandb_mode(cfg.logger),
@@ -106,7 +106,8 @@ def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
 
 def run_eval(cfg) -> dict:
     """The whole eval job; returns the results dict. Importable for tests and notebooks."""
-    from slimwise_train.eval.generation import build_problems, evaluate, load_student, plot_lengths, render_markdown
+    from slimwise_train.eval.generation import build_problems, evaluate, load_student
+    from slimwise_train.eval.report import plot_lengths, render_markdown
     from slimwise_train.models import load_model, model_identity
     from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
 

@@ -1,4 +1,4 @@
-"""Batched greedy evaluation of the synthetic suite under the five serving modes of a keep set.
+"""Problems and batched greedy generation of the synthetic suite under the five serving modes of a keep set.
 
 Modes (prefill pool -> decode pool, over one KV cache):
 
@@ -10,28 +10,15 @@ Modes (prefill pool -> decode pool, over one KV cache):
 
 One model carries `PhaseMasking` for the keep set being evaluated; each mode is a pair of masking phases for
 `handoff_generate`. Problems are grouped by family (each family has its own token budget), sorted by prompt
-length to limit padding, left-padded into batches, and put back in order afterwards.
-
-Metrics per (keep set, mode, family) and pooled over families (`all`), each a pure function of the per-problem
-records:
-
-    accuracy                         `synthetic.check(family, prompt, output, ended=...)` (EOS required)
-    median / p90 / max / mean length output length in tokens incl. EOS, or the budget when it never ended;
-                                     median: mean of the two middle values for even n; p90: nearest rank,
-                                     the ceil(0.9 n)-th smallest value
-    hit_budget                       share that produced no EOS within the budget
-    collapse                         share that ended (EOS) shorter than 0.5 x the reference answer (tokens incl.
-                                     EOS); outputs cut off by the budget are counted in hit_budget instead
-    first_token_agreement_with_full  share whose first generated token equals the full model's
-    exact_match_with_full            share whose whole output equals the full model's (when `full` ran)
+length to limit padding, left-padded into batches, and put back in order afterwards. `evaluate` scores the runs
+with `slimwise_train.eval.metrics` (the metric definitions) and returns the results dict that
+`slimwise_train.eval.report` renders.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -39,6 +26,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from slimwise_train.eval.metrics import METRIC_DEFINITIONS, decode_output, score_run, summarize
 from slimwise_train.moe.handoff import handoff_generate, prefill
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.masking import PhaseMasking, get_masking
@@ -61,21 +49,6 @@ MODE_DESCRIPTIONS = {
     "slimwise": "full prefill, pruned decode",
     "reverse": "pruned prefill, full decode",
     "slimwise_distill": "full prefill, distilled student decode",
-}
-COLLAPSE_FRACTION = 0.5
-METRICS = ("n", "accuracy", "median_length", "p90_length", "max_length", "mean_length", "hit_budget", "collapse",
-           "first_token_agreement_with_full", "exact_match_with_full")
-ROW_COLUMNS = ("keep_set", "mode", "family", *METRICS)
-METRIC_DEFINITIONS = {
-    "length": "generated tokens including EOS; the budget when no EOS was produced",
-    "median_length": "statistics.median (mean of the two middle values for an even count)",
-    "p90_length": "nearest rank: the ceil(0.9 n)-th smallest length",
-    "hit_budget": "share of outputs without EOS within the budget",
-    "collapse": f"share of outputs that ended (EOS) shorter than {COLLAPSE_FRACTION} x the reference answer "
-                "(tokens incl. EOS)",
-    "first_token_agreement_with_full": "share whose first generated token equals the full model's first token",
-    "exact_match_with_full": "share whose whole output equals the full model's (null when full mode did not run)",
-    "accuracy": "synthetic.check on the output text up to EOS, with ended = EOS produced (EOS required)",
 }
 
 
@@ -222,92 +195,6 @@ def first_tokens(model: nn.Module, problems: Sequence[Problem], batch_size: int,
             out[i] = int(logits[row, -1].argmax(-1))
         if on_batch is not None:
             on_batch()
-    return out
-
-
-# ----------------------------------------------------------------------------------------------- metrics
-def median(values: Sequence[float]) -> float:
-    return float(statistics.median(values))
-
-
-def p90(values: Sequence[float]) -> float:
-    """Nearest rank: the ceil(0.9 n)-th smallest value."""
-    ordered = sorted(values)
-    return float(ordered[max(1, math.ceil(0.9 * len(ordered))) - 1])
-
-
-def length_stats(lengths: Sequence[int], budget: int | Sequence[int], ended: Sequence[bool] | None = None) -> dict:
-    """median / p90 / max / mean of output lengths and the share that hit the budget.
-
-    `budget` is one int or one per output. Without `ended`, an output hit the budget when its length reached it;
-    with `ended` (EOS produced), when it did not end (an EOS exactly at the budget is not a hit).
-    """
-    lengths = [int(x) for x in lengths]
-    if not lengths:
-        raise ValueError("length_stats needs at least one length")
-    budgets = [int(budget)] * len(lengths) if isinstance(budget, (int, float)) else [int(b) for b in budget]
-    if len(budgets) != len(lengths):
-        raise ValueError(f"{len(budgets)} budgets for {len(lengths)} lengths")
-    hits = [length >= b for length, b in zip(lengths, budgets)] if ended is None else [not e for e in ended]
-    return {
-        "median_length": median(lengths),
-        "p90_length": p90(lengths),
-        "max_length": max(lengths),
-        "mean_length": sum(lengths) / len(lengths),
-        "hit_budget": sum(hits) / len(hits),
-    }
-
-
-def share(flags: Sequence[bool]) -> float:
-    return sum(bool(f) for f in flags) / len(flags) if flags else float("nan")
-
-
-def collapse_share(lengths: Sequence[int], reference_lengths: Sequence[int], ended: Sequence[bool] | None = None,
-                   fraction: float = COLLAPSE_FRACTION) -> float:
-    """Share of outputs that stopped (EOS; all when `ended` is None) shorter than `fraction` x their reference."""
-    ended = [True] * len(lengths) if ended is None else ended
-    return share([e and length < fraction * ref for length, ref, e in zip(lengths, reference_lengths, ended)])
-
-
-def decode_output(tokenizer, generation: Generation) -> str:
-    """Answer text up to and excluding EOS."""
-    tokens = generation.tokens[:-1] if generation.ended else generation.tokens
-    return tokenizer.decode(list(tokens), skip_special_tokens=False)
-
-
-def score_run(problems: Sequence[Problem], generations: Sequence[Generation], tokenizer, full_first: Sequence[int],
-              full_generations: Sequence[Generation] | None = None) -> dict:
-    """Per-problem records of one (keep set, mode) run: lists aligned with `problems`."""
-    from slimwise_train.data.synthetic import check
-
-    texts = [decode_output(tokenizer, g) for g in generations]
-    return {
-        "length": [g.length for g in generations],
-        "ended": [g.ended for g in generations],
-        "correct": [check(p.family, p.prompt, t, ended=g.ended) for p, t, g in zip(problems, texts, generations)],
-        "first_token": [g.first_token for g in generations],
-        "first_token_agrees": [g.first_token == f for g, f in zip(generations, full_first)],
-        "same_as_full": None if full_generations is None else
-        [g.tokens == f.tokens for g, f in zip(generations, full_generations)],
-        "text": texts,
-    }
-
-
-def summarize(problems: Sequence[Problem], record: dict, budgets: Mapping[str, int]) -> dict[str, dict]:
-    """{family: metrics, ..., "all": metrics} for one run's per-problem record."""
-    families = dict.fromkeys(p.family for p in problems)
-    groups = {f: [i for i, p in enumerate(problems) if p.family == f] for f in families}
-    groups["all"] = list(range(len(problems)))
-    out = {}
-    for name, idx in groups.items():
-        pick = lambda key: [record[key][i] for i in idx]  # noqa: E731
-        lengths = pick("length")
-        metrics = {"n": len(idx), "accuracy": share(pick("correct"))}
-        metrics.update(length_stats(lengths, [budgets[problems[i].family] for i in idx], pick("ended")))
-        metrics["collapse"] = collapse_share(lengths, [problems[i].reference_length for i in idx], pick("ended"))
-        metrics["first_token_agreement_with_full"] = share(pick("first_token_agrees"))
-        metrics["exact_match_with_full"] = None if record["same_as_full"] is None else share(pick("same_as_full"))
-        out[name] = metrics
     return out
 
 
@@ -530,110 +417,3 @@ def evaluate(
                      for p in problems],
         "runs": run_records,
     }
-
-
-# ----------------------------------------------------------------------------------------------- rendering
-def rows_for(results: dict, keep_set: str | None) -> list[dict]:
-    """Rows of one keep set's table: the full model's rows, then that keep set's modes (in run order)."""
-    return [r for r in results["rows"] if r["keep_set"] is None or r["keep_set"] == keep_set]
-
-
-def _fmt(x, digits=2) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and x.is_integer() and digits == 0:
-        return str(int(x))
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
-
-
-def _cell(row: dict) -> str:
-    return (f"{_fmt(row['accuracy'])} / {_fmt(row['median_length'], 0 if row['median_length'].is_integer() else 1)}"
-            f" / {_fmt(row['p90_length'], 0)} / {_fmt(row['hit_budget'])}")
-
-
-def render_markdown(results: dict, title: str = "SlimWise evaluation", header_lines: Sequence[str] = ()) -> str:
-    families = results["families"]
-    columns = [*families, "all"]
-    lines = [f"# {title}", ""]
-    lines += [f"- {line}" for line in header_lines]
-    budgets = ", ".join(f"{f} {results['budget'][f]}" for f in families)
-    problems = ", ".join(f"{f} {results['num_problems'][f]}" for f in families)
-    lines += [f"- problems per family: {problems}", f"- token budget: {budgets} ({results['budget_rule']})",
-              "- cells: accuracy / median length / p90 length / share that hit the budget (lengths in tokens incl. "
-              "EOS); first tok = first-token agreement with the full model; exact = full = whole output equals the "
-              "full model's; collapse = share that ended shorter than half the reference", ""]
-    names = list(results["keep_sets"]) or [None]
-    for name in names:
-        if name is None:
-            lines += ["## no keep set (full model only)", ""]
-        else:
-            info = results["keep_sets"][name]
-            kept = info["num_kept"]
-            lines += [f"## keep set `{name}`", "",
-                      f"kept experts per layer: {kept[0] if len(set(kept)) == 1 else kept} of "
-                      f"{info['num_experts'][0]} (keep fraction {info['keep_fraction']:.3f})"
-                      + (f"; `{info['path']}`" if info.get("path") else ""), ""]
-        lines.append("| mode | " + " | ".join(columns) + " | first tok | exact = full | collapse |")
-        lines.append("|---|" + "---|" * (len(columns) + 3))
-        by_mode: dict[str, dict] = {}
-        for row in rows_for(results, name):
-            by_mode.setdefault(row["mode"], {})[row["family"]] = row
-        for mode, cells in by_mode.items():
-            total = cells["all"]
-            lines.append(f"| {mode} | " + " | ".join(_cell(cells[c]) for c in columns)
-                         + f" | {_fmt(total['first_token_agreement_with_full'])}"
-                         + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])} |")
-        lines.append("")
-    if results["notes"]:
-        lines += ["## notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
-    return "\n".join(lines)
-
-
-def safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "keep_set"
-
-
-def _cdf(values) -> tuple[list, list]:
-    """Step coordinates of an empirical CDF, starting at 0."""
-    values = sorted(values)
-    return [values[0], *values], [0.0, *((k + 1) / len(values) for k in range(len(values)))]
-
-
-def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
-    """CDF of output lengths per family (one panel each), one line per mode, the reference answers dashed and
-    the budget as a vertical line. Written atomically with the Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    from slimwise_train.utils.atomic import atomic_path
-
-    families = results["families"]
-    runs = [r for r in results["runs"] if r["keep_set"] is None or r["keep_set"] == keep_set]
-    problem_family = [p["family"] for p in results["problems"]]
-    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.4), squeeze=False)
-    for ax, family in zip(axes[0], families):
-        idx = [i for i, f in enumerate(problem_family) if f == family]
-        ref = sorted(results["problems"][i]["reference_length"] for i in idx)
-        ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
-        for run in runs:
-            ax.step(*_cdf(run["length"][i] for i in idx), where="post", label=run["mode"])
-        ax.axvline(results["budget"][family], color="k", lw=0.8, ls=":", label="budget")
-        ax.set_title(family)
-        ax.set_xlabel("output tokens (incl. EOS)")
-        ax.set_ylim(0, 1.02)
-    axes[0][0].set_ylabel("share of problems")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    fig.suptitle(f"output length CDF, keep set {keep_set}" if keep_set else "output length CDF, full model")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-
-
-def wandb_rows(results: dict) -> tuple[list[str], list[list]]:
-    columns = list(ROW_COLUMNS)
-    data = [[("-" if r["keep_set"] is None else r["keep_set"]) if c == "keep_set" else r[c] for c in columns]
-            for r in results["rows"]]
-    return columns, data

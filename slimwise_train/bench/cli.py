@@ -1,0 +1,69 @@
+"""The `BENCHES` registry and `main(argv)`, the argument parsing of `python -m slimwise_train.bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from slimwise_train.bench.calib import run_calib
+from slimwise_train.bench.common import _model_args
+from slimwise_train.bench.decode import run_decode
+from slimwise_train.bench.loss import run_loss
+from slimwise_train.bench.phase import run_phase
+from slimwise_train.bench.train import run_train
+
+BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train}
+
+
+def main(argv=None) -> int:
+    import slimwise_train.bench as package  # its docstring is the --help description
+
+    parser = argparse.ArgumentParser(prog="python -m slimwise_train.bench", description=package.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="name", required=True)
+    calib = sub.add_parser("calib", help="statistics collection vs plain no-grad forward")
+    _model_args(calib)
+    calib.add_argument("--batches", type=int, default=4)
+    phase = sub.add_parser("phase", help="phase-aware masking overhead")
+    _model_args(phase)
+    loss = sub.add_parser("loss", help="top-k + residual KL vs naive full-vocabulary KL: time, peak memory")
+    loss.add_argument("--tokens", type=int, default=8192, help="tokens for the memory of the top-k + residual KL")
+    loss.add_argument("--naive-tokens", type=int, default=2048,
+                      help="tokens for the memory of the naive KL (at 8192 it needs ~30 GB on CPU)")
+    loss.add_argument("--vocab", type=int, default=151936)
+    loss.add_argument("--top-k", type=int, default=64)
+    loss.add_argument("--chunk", type=int, default=256)
+    loss.add_argument("--time-tokens", type=int, default=1024, help="tokens for the timing part")
+    loss.add_argument("--repeats", type=int, default=3)
+    decode = sub.add_parser("decode", help="one batched decode step: full, masked, pruned 25/50/75%%")
+    # 8 of 128 experts as Qwen3-30B-A3B routes (the paper's models route 8 of 128 or 256). I768 puts 1.2 GB of fp32
+    # experts in a layer, the bytes of Qwen3-30B-A3B's bf16 experts: the per-op costs of attention, router and cache
+    # do not grow with the experts, so at I256 (400 MB) they took 28% of the batch-64 step, at I512 6-12%.
+    _model_args(decode, hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=768, vocab=2048, repeats=15)
+    decode.add_argument("--batches", default="1,8,32,64")
+    decode.add_argument("--ratios", default="0.25,0.5,0.75")
+    decode.add_argument("--prompt", type=int, default=256)
+    decode.add_argument("--kv-heads", type=int, default=2,
+                        help="key/value heads of 64 (default 2: 8 query heads per KV head, as Qwen3-30B-A3B's 32/4)")
+    decode.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    decode.add_argument("--min-seconds", type=float, default=2.0,
+                        help="timed seconds per variant and batch size at least (more repeats for small batches)")
+    decode.add_argument("--warmup", type=int, default=4,
+                        help="untimed rounds of every variant first (the first few rounds after the models are "
+                             "built run slow and uneven here)")
+    decode.add_argument("--cache", choices=["static", "dynamic"], default="static",
+                        help="KV cache: preallocated and written in place (static, as serving engines do) or HF's "
+                             "DynamicCache, which re-copies it on every step")
+    train = sub.add_parser("train", help="distillation step: ours vs naive two-copy step vs lower bound; memory")
+    _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
+                repeats=3)
+    train.add_argument("--prune-ratio", type=float, default=0.5, help="share of routed experts removed per layer")
+    train.add_argument("--loss-top-k", type=int, default=64, help="distill.top_k of the KL")
+    train.add_argument("--chunk", type=int, default=1024, help="distill.chunk_size of the loss")
+    train.add_argument("--split", default="0.5",
+                       help="split point as a fraction of --seq for every row, or 'random' (s ~ U{1..seq-2} per row)")
+    train.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    result = BENCHES[args.name](args)
+    print(json.dumps(result), flush=True)
+    return 0

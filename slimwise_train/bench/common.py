@@ -1,0 +1,98 @@
+"""Shared pieces of the benches: interleaved timing and paired ratios, the random bench model, the model flags,
+and the peak-memory probes the fresh child processes use."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device) -> dict[str, list[float]]:
+    """Run each callable `repeats` times in round-robin order (after `warmup` rounds); seconds per run."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def bench_model(model_type: str, hidden: int, layers: int, experts: int, top_k: int, moe_intermediate: int,
+                vocab: int, device, kv_heads: int | None = None, dtype: torch.dtype = torch.float32):
+    """A random stock model of `model_type` with 64-wide heads; `kv_heads` defaults to one per two query heads."""
+    from slimwise_train.testing.tiny import tiny_model
+
+    heads = max(hidden // 64, 1)
+    kv_heads = kv_heads or max(heads // 2, 1)
+    if heads % kv_heads:
+        raise ValueError(f"--kv-heads {kv_heads} must divide the {heads} query heads (hidden {hidden} / 64)")
+    overrides = dict(hidden_size=hidden, num_hidden_layers=layers, moe_intermediate_size=moe_intermediate,
+                     intermediate_size=moe_intermediate, num_attention_heads=heads,
+                     num_key_value_heads=kv_heads, head_dim=64, vocab_size=vocab)
+    key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(
+        model_type, "num_experts")
+    overrides[key] = experts
+    overrides["top_k_experts" if model_type == "gemma4_text" else "num_experts_per_tok"] = top_k
+    return tiny_model(model_type, init_std=0.02, **overrides).to(device=device, dtype=dtype)
+
+
+
+def _model_args(parser, **defaults):
+    parser.add_argument("--model-type", default=defaults.get("model_type", "qwen3_moe"))
+    parser.add_argument("--hidden", type=int, default=defaults.get("hidden", 256))
+    parser.add_argument("--layers", type=int, default=defaults.get("layers", 4))
+    parser.add_argument("--experts", type=int, default=defaults.get("experts", 32))
+    parser.add_argument("--top-k", type=int, default=defaults.get("top_k", 4))
+    parser.add_argument("--moe-intermediate", type=int, default=defaults.get("moe_intermediate", 256))
+    parser.add_argument("--vocab", type=int, default=defaults.get("vocab", 4096))
+    parser.add_argument("--batch", type=int, default=defaults.get("batch", 8))
+    parser.add_argument("--seq", type=int, default=defaults.get("seq", 256))
+    parser.add_argument("--repeats", type=int, default=defaults.get("repeats", 5))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _rss_now_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return _peak_rss_bytes()
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the peak RSS (VmHWM, which getrusage's ru_maxrss reads) to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+
+def _paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median over rounds of the two variants' time ratio within one round. The variants of a round run back to
+    back, so a slow spell of the machine (seconds long here) scales both and cancels, where a ratio of the two
+    medians would take it in whenever it hits one variant's rounds more than the other's."""
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
+

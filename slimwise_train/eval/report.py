@@ -1,0 +1,119 @@
+"""Reports of an evaluation's results dict: the markdown tables (one per keep set), output-length CDF plots and
+the W&B table rows."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+from slimwise_train.eval.metrics import METRICS
+
+ROW_COLUMNS = ("keep_set", "mode", "family", *METRICS)
+
+
+# ----------------------------------------------------------------------------------------------- rendering
+def rows_for(results: dict, keep_set: str | None) -> list[dict]:
+    """Rows of one keep set's table: the full model's rows, then that keep set's modes (in run order)."""
+    return [r for r in results["rows"] if r["keep_set"] is None or r["keep_set"] == keep_set]
+
+
+def _fmt(x, digits=2) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float) and x.is_integer() and digits == 0:
+        return str(int(x))
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def _cell(row: dict) -> str:
+    return (f"{_fmt(row['accuracy'])} / {_fmt(row['median_length'], 0 if row['median_length'].is_integer() else 1)}"
+            f" / {_fmt(row['p90_length'], 0)} / {_fmt(row['hit_budget'])}")
+
+
+def render_markdown(results: dict, title: str = "SlimWise evaluation", header_lines: Sequence[str] = ()) -> str:
+    families = results["families"]
+    columns = [*families, "all"]
+    lines = [f"# {title}", ""]
+    lines += [f"- {line}" for line in header_lines]
+    budgets = ", ".join(f"{f} {results['budget'][f]}" for f in families)
+    problems = ", ".join(f"{f} {results['num_problems'][f]}" for f in families)
+    lines += [f"- problems per family: {problems}", f"- token budget: {budgets} ({results['budget_rule']})",
+              "- cells: accuracy / median length / p90 length / share that hit the budget (lengths in tokens incl. "
+              "EOS); first tok = first-token agreement with the full model; exact = full = whole output equals the "
+              "full model's; collapse = share that ended shorter than half the reference", ""]
+    names = list(results["keep_sets"]) or [None]
+    for name in names:
+        if name is None:
+            lines += ["## no keep set (full model only)", ""]
+        else:
+            info = results["keep_sets"][name]
+            kept = info["num_kept"]
+            lines += [f"## keep set `{name}`", "",
+                      f"kept experts per layer: {kept[0] if len(set(kept)) == 1 else kept} of "
+                      f"{info['num_experts'][0]} (keep fraction {info['keep_fraction']:.3f})"
+                      + (f"; `{info['path']}`" if info.get("path") else ""), ""]
+        lines.append("| mode | " + " | ".join(columns) + " | first tok | exact = full | collapse |")
+        lines.append("|---|" + "---|" * (len(columns) + 3))
+        by_mode: dict[str, dict] = {}
+        for row in rows_for(results, name):
+            by_mode.setdefault(row["mode"], {})[row["family"]] = row
+        for mode, cells in by_mode.items():
+            total = cells["all"]
+            lines.append(f"| {mode} | " + " | ".join(_cell(cells[c]) for c in columns)
+                         + f" | {_fmt(total['first_token_agreement_with_full'])}"
+                         + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])} |")
+        lines.append("")
+    if results["notes"]:
+        lines += ["## notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "keep_set"
+
+
+def _cdf(values) -> tuple[list, list]:
+    """Step coordinates of an empirical CDF, starting at 0."""
+    values = sorted(values)
+    return [values[0], *values], [0.0, *((k + 1) / len(values) for k in range(len(values)))]
+
+
+def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
+    """CDF of output lengths per family (one panel each), one line per mode, the reference answers dashed and
+    the budget as a vertical line. Written atomically with the Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from slimwise_train.utils.atomic import atomic_path
+
+    families = results["families"]
+    runs = [r for r in results["runs"] if r["keep_set"] is None or r["keep_set"] == keep_set]
+    problem_family = [p["family"] for p in results["problems"]]
+    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.4), squeeze=False)
+    for ax, family in zip(axes[0], families):
+        idx = [i for i, f in enumerate(problem_family) if f == family]
+        ref = sorted(results["problems"][i]["reference_length"] for i in idx)
+        ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
+        for run in runs:
+            ax.step(*_cdf(run["length"][i] for i in idx), where="post", label=run["mode"])
+        ax.axvline(results["budget"][family], color="k", lw=0.8, ls=":", label="budget")
+        ax.set_title(family)
+        ax.set_xlabel("output tokens (incl. EOS)")
+        ax.set_ylim(0, 1.02)
+    axes[0][0].set_ylabel("share of problems")
+    axes[0][-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"output length CDF, keep set {keep_set}" if keep_set else "output length CDF, full model")
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+
+
+def wandb_rows(results: dict) -> tuple[list[str], list[list]]:
+    columns = list(ROW_COLUMNS)
+    data = [[("-" if r["keep_set"] is None else r["keep_set"]) if c == "keep_set" else r[c] for c in columns]
+            for r in results["rows"]]
+    return columns, data
