@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	@echo "building DeepSpeed's CPU shared-memory op once (30-90 s; cached in $(TORCH_EXTENSIONS_DIR))"
+	DS_ACCELERATOR=cpu $(PY) -c "import importlib; importlib.import_module('deepspeed.comm.torch').build_shm_op()" > .venv/ds-shm-build.log 2>&1 || (tail -20 .venv/ds-shm-build.log; exit 1)
 	touch $(STAMP)
 
 # The test command CI runs: fast CPU unit tests plus the multi-process gloo tests.

@@ -37,21 +37,31 @@ def run(name: str, cmd: list[str], timings: dict) -> None:
         raise SystemExit(f"demo: step '{name}' failed (exit {proc.returncode}); see the output above")
 
 
+def demoted(markdown: str) -> str:
+    """Headings two levels down, so the eval report's own H1 becomes a section (one H1 per document)."""
+    return "\n".join("##" + line if line.startswith("#") else line for line in markdown.splitlines())
+
+
 def training_summary(train_dir: Path) -> list[str]:
+    """The held-out trend at every evaluation, beside the mean training loss since the previous one (single
+    logged steps are too noisy to read a trend from)."""
     metrics = train_dir / "metrics.jsonl"
     if not metrics.is_file():
         return ["(no metrics.jsonl found)"]
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [r for r in rows if "loss" in r and "ce" in r]
     evals = [r for r in rows if "eval/loss" in r]
-    lines = ["| step | loss | ce | kl | continuation tokens/s | student padding share |", "|---|---|---|---|---|---|"]
-    picked = train[:: max(1, len(train) // 8)]
-    for r in picked + ([train[-1]] if train and train[-1] is not picked[-1] else []):
-        lines.append(f"| {r['step']} | {r['loss']:.4f} | {r['ce']:.4f} | {r['kl']:.4f} | "
-                     f"{r.get('cont_tokens_per_s', 0):.0f} | {r.get('student_pad_share', 0):.2f} |")
-    if evals:
-        lines += ["", "Held-out distillation loss: " + ", ".join(
-            f"step {r.get('step')}: {r['eval/loss']:.4f}" for r in evals)]
+    lines = ["| step | held-out loss | held-out ce | held-out kl | mean train loss since the previous row | "
+             "continuation tokens/s |", "|---|---|---|---|---|---|"]
+    previous = -1
+    for r in evals:
+        window = [t for t in train if previous < t["step"] <= r["step"]]
+        mean = sum(t["loss"] for t in window) / len(window) if window else None
+        speed = sum(t.get("cont_tokens_per_s", 0) for t in window) / len(window) if window else None
+        lines.append(f"| {r['step']} | {r['eval/loss']:.4f} | {r.get('eval/ce', float('nan')):.4f} | "
+                     f"{r.get('eval/kl', float('nan')):.4f} | {'-' if mean is None else f'{mean:.4f}'} | "
+                     f"{'-' if speed is None else f'{speed:.0f}'} |")
+        previous = r["step"]
     return lines
 
 
@@ -63,15 +73,15 @@ def main() -> int:
     start = time.time()
     prune_dir, train_dir, eval_dir = OUT / f"reap-r{RATIO}", OUT / "distill", OUT / "eval"
     run("prune", [sys.executable, "-m", "slimwise_train.prune", *MODEL, "prune.criterion=reap",
-                  f"prune.ratio={RATIO}", f"prune.cache_dir={OUT / 'cache'}", f"hydra.run.dir={prune_dir}",
-                  "progress=false"], timings)
+                  f"prune.ratio={RATIO}", f"prune.cache_dir={OUT / 'cache'}", f"hydra.run.dir={prune_dir}"],
+        timings)
     keep_set = prune_dir / "keep_set.json"
     run("distill", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "slimwise_train", "experiment=demo", *MODEL[1:], f"prune.keep_set={keep_set}",
                     f"distill.max_steps={STEPS}", f"hydra.run.dir={train_dir}"], timings)
     run("eval", [sys.executable, "-m", "slimwise_train.eval", *MODEL, f"eval.keep_sets=[{keep_set}]",
-                 f"eval.student={train_dir}", f"eval.num_per_family={EVAL_N}", f"hydra.run.dir={eval_dir}",
-                 "progress=false"], timings)
+                 f"eval.student={train_dir}", f"eval.num_per_family={EVAL_N}", f"hydra.run.dir={eval_dir}"],
+        timings)
     total = round(time.time() - start, 1)
     prune_summary = json.loads((prune_dir / "prune_summary.json").read_text())
     eval_report = (eval_dir / "report.md").read_text()
@@ -85,7 +95,7 @@ def main() -> int:
         f"(routing mass kept per layer: {[round(m, 3) for m in prune_summary['kept_routing_mass']]}).",
         f"Distillation: {STEPS} steps, 2 ranks, DeepSpeed ZeRO-2 (`conf/experiment/demo.yaml`).",
         f"Wall time: {total} s in all ({', '.join(f'{k} {v} s' for k, v in timings.items())}).", "",
-        "## Evaluation", "", eval_report, "",
+        "## Evaluation", "", demoted(eval_report), "",
         "## Distillation log", "", *training_summary(train_dir), "",
         "## Length distributions", "", *[f"![{name}]({name})" for name in plots], "",
         "## Reproduce", "", "```", "make demo", "```",

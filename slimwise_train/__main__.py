@@ -1,4 +1,4 @@
-"""`python -m slimwise_train` and `torchrun ... -m slimwise_train`: the distillation trainer (the app lives in distill/app.py)."""
+"""`python -m slimwise_train` and `torchrun ... -m slimwise_train`: the distillation trainer (distill/app.py)."""
 
 from slimwise_train.distill.app import main
 from slimwise_train.utils import distributed as du

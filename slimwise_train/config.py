@@ -6,10 +6,11 @@ start-up with Hydra's error naming the key, never halfway through a run.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
-
 from pathlib import Path
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -20,9 +21,14 @@ CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # short name used in output paths
+    # Short name used in output paths. Tiny presets derive it (`${model_name:...}`): from model.path when one is
+    # given, so `model.path=<folder>` alone names the run after the checkpoint.
+    name: str = MISSING
     path: Optional[str] = None  # hub id or local folder for from_pretrained
-    tiny: Optional[str] = None  # instead of `path`: a tiny random model of this model_type (tests, smoke runs)
+    # Instead of `path`: a tiny random model of this model_type (tests, smoke runs). Tiny presets write it as
+    # `${tiny_unless_path:<type>,${.path}}`, so a model.path override replaces the random model; a preset that
+    # sets both literally is an error.
+    tiny: Optional[str] = None
     tiny_overrides: dict = field(default_factory=dict)
     tokenizer: Optional[str] = None  # defaults to `path`; tiny models default to the shipped synthetic tokenizer
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
@@ -55,6 +61,9 @@ class PruneConfig:
     scores: Optional[str] = None  # reuse an existing scores.safetensors instead of calibrating
     cache_dir: str = ".cache/slimwise/scores"  # statistics cache keyed by model + calibration data
     use_cache: bool = True
+    # Scoring refuses a calibration set with fewer real (non-padding) tokens: a keep set from a handful of tokens
+    # is noise. 1024 is a floor for smoke runs; real checkpoints calibrate on ~1M (presets: 1024 x 2048).
+    min_calibration_tokens: int = 1024
     export_checkpoint: bool = False  # write the physically pruned HF checkpoint (decode instance)
     export_mask: bool = True  # write router_mask.safetensors (co-located serving)
 
@@ -145,7 +154,7 @@ class TrainAppConfig:
     seed: int = 0
     device: str = "auto"
     cpu_threads: Optional[int] = None  # torch intra-op threads when running on CPU; None: torch's default
-    progress: bool = False
+    progress: bool = True  # a step progress bar on rank 0 (stderr)
     extra: dict = field(default_factory=dict)  # test hooks: kill_after_step, kill_in_checkpoint_at_step, nan_at_steps
 
 
@@ -176,7 +185,29 @@ class EvalAppConfig:
     progress: bool = True
 
 
+def model_name_from(path: Optional[str], fallback: str) -> str:
+    """`${model_name:${.path},<fallback>}`: the checkpoint's folder or hub name when a path is given."""
+    if path in (None, "", "None", "null"):
+        return fallback
+    name = Path(str(path).rstrip("/")).name
+    return name or fallback
+
+
+def tiny_unless_path(model_type: str, path: Optional[str]) -> Optional[str]:
+    """`${tiny_unless_path:<model_type>,${.path}}`: a tiny preset's random model, unless model.path is set."""
+    return None if path not in (None, "", "None", "null") else model_type
+
+
+def register_resolvers() -> None:
+    from omegaconf import OmegaConf
+
+    for name, fn in (("model_name", model_name_from), ("tiny_unless_path", tiny_unless_path)):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, fn)
+
+
 def register_configs() -> None:
+    register_resolvers()
     cs = ConfigStore.instance()
     cs.store(name="prune_app_schema", node=PruneAppConfig)
     cs.store(name="train_app_schema", node=TrainAppConfig)
@@ -193,3 +224,25 @@ def to_container(cfg: Any) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def check_known_keys(cfg: Any, schema: type, where: str = "") -> None:
+    """Raise ValueError for a key the typed schema does not know, anywhere in `cfg`.
+
+    Hydra lets `+group.key=value` add keys to a structured config (the fix it suggests for a typo), which would
+    otherwise be ignored silently; free-form `dict` fields (tiny_overrides, extra) are not checked.
+    """
+    from omegaconf import DictConfig
+
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key in cfg.keys() if isinstance(cfg, DictConfig) else ():
+        path = f"{where}.{key}" if where else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"did you mean {where + '.' if where else ''}{close[0]}? " if close else ""
+            raise ValueError(f"unknown config key {path!r}: {hint}known keys here: {', '.join(fields)}")
+        sub_type = fields[key].type
+        sub_schema = globals().get(sub_type) if isinstance(sub_type, str) else sub_type
+        value = cfg._get_node(key)
+        if dataclasses.is_dataclass(sub_schema) and isinstance(value, DictConfig):
+            check_known_keys(value, sub_schema, path)

@@ -3,6 +3,7 @@ random models of the stock classes for tests and smoke runs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -43,14 +44,45 @@ def resolve_path(path: str | None) -> str | None:
     return str(candidate) if candidate.exists() else path
 
 
+def _looks_local(path: str) -> bool:
+    return path.startswith(("/", ".", "~")) or path.count("/") != 1 or Path(path).exists()
+
+
+def from_pretrained_or_explain(load, path: str, what: str = "model.path", **kwargs):
+    """`load(path, **kwargs)` (a from_pretrained), with every way it commonly fails as one ValueError line: a missing
+    local folder, a truncated or corrupt weights file, a hub id that cannot be reached offline."""
+    path = str(path)
+    if _looks_local(path) and not Path(path).expanduser().exists():
+        raise ValueError(f"{what}={path}: no such folder; point it at a checkpoint folder or a hub id (owner/name)")
+    try:
+        return load(path, **kwargs)
+    except (OSError, ValueError, RuntimeError, EnvironmentError) as exc:
+        if isinstance(exc, ValueError) and "supported MoE" in str(exc):
+            raise
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        if not _looks_local(path):
+            hint = ("a hub id needs the network or a filled cache (HF_HUB_OFFLINE is set)" if os.environ.get(
+                "HF_HUB_OFFLINE") in ("1", "true") else "check the id and the network")
+        else:
+            hint = "the folder's files are incomplete or corrupt (a truncated copy?); copy or export it again"
+        raise ValueError(f"{what}={path}: cannot load it ({first[:200]}); {hint}") from None
+    except Exception as exc:  # safetensors' own error type for a truncated file, among others
+        if type(exc).__name__ not in ("SafetensorError", "HeaderTooLarge", "HeaderTooSmall"):
+            raise
+        raise ValueError(f"{what}={path}: a weights file is truncated or corrupt ({exc}); "
+                         "copy or export it again") from None
+
+
 def load_tokenizer(model_cfg):
     source = resolve_path(model_cfg.tokenizer or model_cfg.path)
     if source is None and model_cfg.tiny:
         source = str(SHIPPED_TOKENIZER)
     if source is None:
         raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
-    tokenizer = AutoTokenizer.from_pretrained(source, revision=model_cfg.revision if source == model_cfg.path else None,
-                                              trust_remote_code=model_cfg.trust_remote_code)
+    tokenizer = from_pretrained_or_explain(
+        AutoTokenizer.from_pretrained, source, "model.tokenizer" if model_cfg.tokenizer else "model.path",
+        revision=model_cfg.revision if source == model_cfg.path else None,
+        trust_remote_code=model_cfg.trust_remote_code)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -60,6 +92,9 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None):
     """(model in eval mode on `device`, tokenizer). Raises a clear error for a dense or unsupported model."""
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(model_cfg.dtype, device)
+    if model_cfg.tiny and model_cfg.path:
+        raise ValueError(f"the model preset sets both model.path ({model_cfg.path}) and model.tiny ({model_cfg.tiny}); "
+                         "keep one (a tiny preset writes tiny as ${tiny_unless_path:<type>,${.path}})")
     tokenizer = tokenizer or load_tokenizer(model_cfg)
     if model_cfg.tiny:
         from slimwise_train.testing.tiny import tiny_model
@@ -72,9 +107,9 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None):
     else:
         if not model_cfg.path:
             raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
-        model = AutoModelForCausalLM.from_pretrained(
-            resolve_path(model_cfg.path), dtype=dtype, revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code
-        )
+        model = from_pretrained_or_explain(
+            AutoModelForCausalLM.from_pretrained, resolve_path(model_cfg.path), dtype=dtype, revision=model_cfg.revision,
+            trust_remote_code=model_cfg.trust_remote_code)
     get_adapter(model)  # fail now, with the supported list, for a dense or unknown model
     if model_cfg.experts_implementation:
         model.set_experts_implementation(model_cfg.experts_implementation)

@@ -271,6 +271,35 @@ def test_outputs_report_plots_and_json_schema(setup):
     assert [line.split(" | ")[0][2:] for line in table[1:]] == list(data["modes"])
     row = next(r for r in results["rows"] if r["mode"] == "slimwise" and r["family"] == "math")
     assert f"| slimwise | {row['accuracy']:.2f} / " in report
+    # One H1, and every mode defined in one line.
+    assert [line for line in report.splitlines() if line.startswith("# ")] == ["# SlimWise evaluation"]
+    modes_line = next(line for line in report.splitlines() if line.startswith("- modes: "))
+    assert all(f"**{mode}** = " in modes_line for mode in data["modes"])
+
+
+def test_length_plot_has_a_legend_on_every_panel_and_separates_equal_lines(setup, tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from slimwise_train.eval.report import plot_lengths
+
+    captured = {}
+    monkeypatch.setattr(plt, "close", lambda fig: captured.setdefault("fig", fig))
+    plot_lengths(setup["results"], "r0.5", tmp_path / "cdf.png")
+    axes = captured["fig"].axes
+    assert len(axes) == len(synthetic.FAMILIES)
+    for ax in axes:
+        legend = ax.get_legend()
+        assert legend is not None
+        labels = [t.get_text() for t in legend.get_texts()]
+        assert set(setup["results"]["modes"]) <= set(labels)
+        mode_lines = [line for line in ax.get_lines() if line.get_label() in setup["results"]["modes"]]
+        # Identical distributions (full and reverse often are) must not draw on top of each other.
+        styles = {(line.get_linestyle(), line.get_marker()) for line in mode_lines}
+        assert len(styles) == len(mode_lines)
+        assert len({tuple(line.get_ydata()) for line in mode_lines}) == len(mode_lines)
 
 
 def test_no_keep_sets_runs_only_full_with_a_note(setup, tmp_path):

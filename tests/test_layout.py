@@ -100,3 +100,11 @@ def test_deepspeed_is_imported_in_exactly_one_module():
         if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
             importers.append(str(path.relative_to(PACKAGE)))
     assert importers == ["distill/engine.py"]
+
+
+def test_readme_stays_a_users_page():
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert len(readme.splitlines()) < 300  # history goes to docs/, dated
+    assert "make demo" in readme and "make test" in readme  # the two commands
+    for doc in ("architecture", "benchmarks", "teacher", "faults"):
+        assert f"docs/{doc}.md" in readme and (PACKAGE.parent / "docs" / f"{doc}.md").is_file()

@@ -8,6 +8,7 @@ model with the deltas folded into its weights (W + dW) allow 1e-4: same math, di
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -219,3 +220,53 @@ def test_without_a_shared_expert_the_export_is_the_stock_class(tmp_path):
     ids = _ids()
     with torch.no_grad():
         assert (reloaded(ids).logits - student(ids, phase="student", use_cache=False)).abs().max() <= FOLD_TOL
+
+
+NO_PROJECT = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+root = sys.argv[1]
+for name in sys.argv[2:]:
+    try:
+        AutoModelForCausalLM.from_pretrained(f"{root}/{name}/export")
+        refused = ""
+    except Exception as exc:  # transformers asks for trust_remote_code
+        refused = str(exc)
+    decoder = AutoModelForCausalLM.from_pretrained(f"{root}/{name}/export", trust_remote_code=True).eval()
+    ids = torch.load(f"{root}/{name}/ids.pt")
+    with torch.no_grad():
+        logits = decoder(ids, use_cache=False).logits
+    torch.save({"logits": logits, "class": type(decoder).__name__, "refused": refused}, f"{root}/{name}/remote.pt")
+assert not any(m.startswith("slimwise_train") for m in sys.modules), "the export needed the project"
+"""
+
+
+def test_every_family_export_loads_with_trust_remote_code_and_no_project_import(tmp_path):
+    """The export carries its own modeling file and auto_map: a process that never imports slimwise_train loads it
+    with `trust_remote_code=True` and reproduces the registered class's logits; without it, transformers refuses
+    with a message that names trust_remote_code."""
+    from transformers import AutoModelForCausalLM
+
+    expected = {}
+    for name in SUPPORTED_TINY:
+        model = tiny_model(name)
+        student = DistillModel(model, _keep(model))
+        _perturb(student)
+        export_student(student, tmp_path / name / "export")
+        ids = _ids(seed=5)
+        torch.save(ids, tmp_path / name / "ids.pt")
+        registered = AutoModelForCausalLM.from_pretrained(tmp_path / name / "export").eval()
+        with torch.no_grad():
+            expected[name] = registered(ids, use_cache=False).logits
+        config = json.loads((tmp_path / name / "export" / "config.json").read_text())
+        assert config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_slimwise.Slimwise"), name
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "hf_modules")}
+    proc = subprocess.run([sys.executable, "-c", NO_PROJECT, str(tmp_path), *SUPPORTED_TINY], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in SUPPORTED_TINY:
+        remote = torch.load(tmp_path / name / "remote.pt")
+        assert remote["class"].startswith("Slimwise"), name
+        assert "trust_remote_code" in remote["refused"], (name, remote["refused"][:300])
+        assert torch.equal(remote["logits"], expected[name]), name

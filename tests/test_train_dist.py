@@ -153,6 +153,79 @@ def test_sigkill_and_resume_match_the_uninterrupted_run_bitwise(tmp_path):
     assert summary(run)["trainable_digest"] == summary(tmp_path / "straight")["trainable_digest"]
     # The replayed steps saw the same data and split points: identical logged losses.
     reference = {r["step"]: r["loss"] for r in metrics(tmp_path / "straight") if "loss" in r}
-    logged = [(r["step"], r["loss"]) for r in metrics(run) if "loss" in r]  # appended across the three launches
-    assert [s for s, _ in logged] == [1, 2, 3, 4, 3, 4, 5, 5, 6]
+    logged = [(r["step"], r["loss"]) for r in metrics(run) if "loss" in r]  # continued across the three launches
+    assert [s for s, _ in logged] == [1, 2, 3, 4, 5, 6]  # each resume cut the file back to its checkpoint's step
     assert all(loss == reference[step] for step, loss in logged)
+
+
+def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one_bitwise(tmp_path):
+    args = [*COMMON, "distill.max_steps=6", "distill.save_every=2", "distill.keep_checkpoints=5", "distill.eval_every=6"]
+    launch([*args, f"hydra.run.dir={tmp_path / 'straight'}"], nproc=1)
+    run = tmp_path / "corrupt"
+    proc = launch([*args, f"hydra.run.dir={run}", "+extra.kill_after_step=5"], nproc=1, expect=None)
+    assert proc.returncode == -9
+    newest = run / "checkpoints" / "step_000004" / "trainable.safetensors"
+    newest.write_bytes(newest.read_bytes()[:-100])  # a truncated file
+    proc = launch([*args, f"hydra.run.dir={run}"], nproc=1)
+    out = proc.stderr + proc.stdout
+    assert "skipping checkpoint step_000004" in out and "trainable.safetensors does not match its checksum" in out
+    assert "resumed from" in out and "step_000002 at step 2" in out
+    straight, resumed = trained(tmp_path / "straight"), trained(run)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)  # bitwise
+    assert [r["step"] for r in metrics(run) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+
+
+def test_killing_the_torchrun_parent_leaves_no_rank_alive(tmp_path):
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "slimwise_train",
+         *COMMON, "distill.max_steps=100000", "distill.save_every=100000", "distill.eval_every=100000",
+         f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    ranks: list[int] = []
+    deadline = time.time() + 120
+    while time.time() < deadline and not (tmp_path / "run" / "metrics.jsonl").exists():
+        time.sleep(0.5)
+    ranks = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                            text=True).stdout.split()]
+    assert len(ranks) == 2, "the two ranks did not start"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 30
+    alive = ranks
+    while alive and time.time() < deadline:
+        time.sleep(0.5)
+        alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()
+                 and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+    for pid in alive:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert alive == [], f"ranks {alive} outlived their launcher by 30 s"
+
+
+def test_a_bad_input_under_torchrun_ends_with_one_clear_line(tmp_path):
+    proc = launch([*COMMON, "distill.kl_loss=nope", f"hydra.run.dir={tmp_path / 'run'}"], expect=None)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("slimwise_train: error:")]
+    assert len(ours) == 1 and "unknown distill.kl_loss 'nope'" in ours[0]
+    # torchrun's closing "Root Cause" block carries the same line instead of a pointer to its docs.
+    tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
+    assert "unknown distill.kl_loss 'nope'" in tail
+
+
+def test_deepspeeds_zero_to_fp32_reads_our_checkpoints(runs, tmp_path):
+    ckpt = runs["zero2"] / "checkpoints" / "step_000012"
+    assert (ckpt / "latest").read_text().strip() == "deepspeed"
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(tmp_path / "fp32"),
+                           "--safe_serialization"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    recovered = {}
+    for file in (tmp_path / "fp32").glob("*.safetensors"):
+        recovered.update(load_file(str(file)))
+    ours = load_file(str(ckpt / "trainable.safetensors"))
+    # It recovers the trainable tensors (frozen weights are not in our checkpoints: they are the teacher's).
+    assert set(recovered) == set(ours) or {k.removeprefix("module.") for k in recovered} == set(ours)
+    for key, value in ours.items():
+        got = recovered.get(key, recovered.get(f"module.{key}"))
+        assert got is not None and torch.equal(got.float(), value), key

@@ -14,6 +14,7 @@ The tokenizer's chat template is used when it has one and `chat_template` is on.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Iterator
 import torch
 import yaml
 
+log = logging.getLogger("slimwise.data")
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "data_recipes"
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
          "function_call": "assistant", "observation": "tool", "tool": "tool", "function": "tool"}
@@ -74,6 +76,11 @@ def source_digest(source: str) -> str | None:
     return digest.hexdigest()[:16]
 
 
+def has_named_splits(source: str) -> bool:
+    """False for a local file or folder: every split name reads the same rows."""
+    return recipe_path(source) is not None or not Path(source).exists()
+
+
 def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
@@ -114,7 +121,17 @@ def _render_turns(turns) -> str:
     return "".join(f"{role}: {content}\n" for role, content in turns)
 
 
+def _blank_to_none(pair: TextPair | None) -> TextPair | None:
+    # A blank line of a .txt file (or an empty text cell) would become an EOS-only sequence that gets scored.
+    return None if pair is None or not (pair.prompt.strip() or pair.answer.strip()) else pair
+
+
 def row_to_pair(row: dict, text_field: str | None = None, family: str = "") -> TextPair | None:
+    """The row as a (prompt, answer) pair; None for a row with nothing to learn from (no assistant turn, blank)."""
+    return _blank_to_none(_row_to_pair(row, text_field, family))
+
+
+def _row_to_pair(row: dict, text_field: str | None = None, family: str = "") -> TextPair | None:
     if text_field:
         return TextPair("", str(row[text_field]), family)
     for key in ("messages", "conversations"):
@@ -200,11 +217,36 @@ def encode_pair(tokenizer, pair: TextPair, chat_template: bool, max_len: int) ->
 
 
 def encode_all(tokenizer, pairs: list[TextPair], data_cfg) -> list[tuple[list[int], int]]:
-    encoded = [encode_pair(tokenizer, p, data_cfg.chat_template, data_cfg.seq_len) for p in pairs]
-    encoded = [e for e in encoded if len(e[0]) > 0]
+    """Token ids per pair, truncated to data.seq_len (how many were cut is logged, never silent)."""
+    encoded, truncated = [], 0
+    for pair in pairs:
+        ids, prompt_len = encode_pair(tokenizer, pair, data_cfg.chat_template, 1 << 62)
+        if len(ids) > data_cfg.seq_len:
+            truncated += 1
+            ids, prompt_len = ids[: data_cfg.seq_len], min(prompt_len, data_cfg.seq_len)
+        if ids:
+            encoded.append((ids, prompt_len))
     if not encoded:
         raise ValueError(f"data source {data_cfg.source!r}: every sequence tokenised to nothing")
+    if truncated:
+        log.warning("data %s: truncated %d of %d sequences to data.seq_len=%d tokens", data_cfg.source, truncated,
+                    len(pairs), data_cfg.seq_len)
     return encoded
+
+
+def max_positions(model) -> int | None:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_seq_len(data_cfg, model, key: str = "data") -> None:
+    """Refuse rows the model cannot take: data.seq_len above the model's max_position_embeddings."""
+    limit = max_positions(model)
+    if limit is not None and int(data_cfg.seq_len) > int(limit):
+        raise ValueError(f"{key}.seq_len={data_cfg.seq_len} exceeds the model's max_position_embeddings={limit}; "
+                         f"set {key}.seq_len<={limit}")
+    if int(data_cfg.seq_len) < 2:
+        raise ValueError(f"{key}.seq_len={data_cfg.seq_len} leaves no room for a sequence; use {key}.seq_len>=2")
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int, side: str = "right") -> dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 from slimwise_train.config import CONF_DIR, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import user_errors
+from slimwise_train.utils.rundir import die_with_launcher
 
 log = logging.getLogger("slimwise.train")
 
@@ -42,6 +43,7 @@ def _quiet_other_ranks() -> None:
 def main(cfg: DictConfig) -> None:
     from slimwise_train.distill.trainer import NonFiniteLossError, run_train
 
+    die_with_launcher()
     du.init_if_launched(cfg.engine.backend)
     _quiet_other_ranks()
     try:

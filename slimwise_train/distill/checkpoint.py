@@ -6,17 +6,23 @@
         deepspeed/              engine=zero*: DeepSpeed's own layout (each rank writes its optimizer partition)
         rng.pt                  every rank's torch / python / numpy (/ cuda) RNG state, gathered to rank 0
         trainer_state.json      step, data position, counters, run fingerprint
+        checksums.json          sha256 of every file above, verified on resume
         complete                written last
 
 Atomicity: all ranks write into `checkpoints/.step_000040.tmp/` (rank 0 clears a stale one first) and rank 0
 renames it to `step_000040` only after every rank is done and the marker is written, so a process killed at any
 point leaves either the previous checkpoints or a `.tmp` folder that is ignored and cleaned up later. Only the
 newest `keep` complete checkpoints are kept. Assumes the ranks share the filesystem (one node, or a shared disk).
+
+Resume verifies the checksums: with resume=auto a corrupt newest checkpoint (a truncated file, a disk error)
+is skipped with a warning for the newest one that verifies; an explicit resume=<folder> that fails is an error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -28,7 +34,47 @@ from safetensors.torch import load_file, save_file
 from slimwise_train.utils import distributed as du
 
 MARKER = "complete"
+CHECKSUMS = "checksums.json"
 PREFIX = "step_"
+log = logging.getLogger("slimwise.train")
+
+
+class CorruptCheckpoint(ValueError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in (CHECKSUMS, MARKER))
+    sums = {str(p.relative_to(folder)): _sha256(p) for p in files}
+    (folder / CHECKSUMS).write_text(json.dumps(sums, indent=1, sort_keys=True) + "\n")
+
+
+def verify_checkpoint(path: Path) -> None:
+    """Raise CorruptCheckpoint naming the first problem: a missing marker, state or file, a changed checksum."""
+    if not (path / MARKER).is_file():
+        raise CorruptCheckpoint(f"{path}: not a complete checkpoint folder (no '{MARKER}' marker)")
+    if not (path / "trainer_state.json").is_file():
+        raise CorruptCheckpoint(f"{path}: trainer_state.json is missing")
+    if not (path / CHECKSUMS).is_file():
+        raise CorruptCheckpoint(f"{path}: {CHECKSUMS} is missing (written by every checkpoint since 2026-12-01)")
+    try:
+        sums = json.loads((path / CHECKSUMS).read_text())
+    except json.JSONDecodeError as exc:
+        raise CorruptCheckpoint(f"{path}: {CHECKSUMS} is unreadable ({exc})") from None
+    for name, expected in sums.items():
+        file = path / name
+        if not file.is_file():
+            raise CorruptCheckpoint(f"{path}: {name} is missing")
+        if _sha256(file) != expected:
+            raise CorruptCheckpoint(f"{path}: {name} does not match its checksum (truncated or corrupted)")
 
 
 def step_dir_name(step: int) -> str:
@@ -55,15 +101,40 @@ def newest_checkpoint(root: Path) -> Path | None:
 
 
 def resolve_resume(resume: str, root: Path) -> Path | None:
-    """resume: auto -> newest complete checkpoint (or None); never -> None; else a checkpoint folder."""
+    """resume: auto -> newest checkpoint that verifies (or None); never -> None; else that folder, verified.
+
+    Rank 0 verifies and decides; every rank gets the same answer."""
     if resume == "never":
         return None
-    if resume == "auto":
-        return newest_checkpoint(root)
-    path = Path(resume)
-    if not (path / MARKER).is_file():
-        raise FileNotFoundError(f"resume={resume}: not a complete checkpoint folder (no '{MARKER}' marker)")
-    return path
+    choice = _choose_resume(resume, root) if du.is_rank0() else None
+    choice = du.broadcast_object(choice)
+    if isinstance(choice, dict):  # rank 0 found the explicit folder unusable
+        raise ValueError(choice["error"])
+    return None if choice is None else Path(choice)
+
+
+def _choose_resume(resume: str, root: Path):
+    if resume != "auto":
+        try:
+            verify_checkpoint(Path(resume))
+        except CorruptCheckpoint as exc:
+            return {"error": f"resume={resume}: {exc}; pick another checkpoint or resume=never"}
+        return str(resume)
+    skipped = []
+    for _, path in reversed(complete_checkpoints(root)):
+        try:
+            verify_checkpoint(path)
+        except CorruptCheckpoint as exc:
+            log.warning("skipping checkpoint %s: %s", path.name, exc)
+            skipped.append(path.name)
+            continue
+        if skipped:
+            log.warning("resuming from %s instead of the newer %s, which failed verification", path.name,
+                        ", ".join(skipped))
+        return str(path)
+    if skipped:
+        log.warning("no checkpoint in %s verifies (%s): starting from step 0", root, ", ".join(skipped))
+    return None
 
 
 def rng_state() -> dict:
@@ -117,6 +188,7 @@ def save_checkpoint(root: Path, step: int, engine, trainer_state: dict, keep: in
         save_file({k: v.contiguous() for k, v in trainable.items()}, str(tmp / "trainable.safetensors"))
         torch.save(rng_states, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
+        write_checksums(tmp)
         _fsync_tree(tmp)
         if before_rename is not None:  # test hook: die with a finished but unpublished folder
             before_rename(tmp)

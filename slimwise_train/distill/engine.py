@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import math
 import os
 import socket
@@ -37,6 +38,7 @@ from slimwise_train.utils import distributed as du
 
 ENGINES = ("torch", "zero1", "zero2", "zero3")
 ZERO_STAGE = {"torch": 0, "zero1": 1, "zero2": 2, "zero3": 3}
+log = logging.getLogger("slimwise.train")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -199,6 +201,11 @@ class DeepSpeedZeroEngine:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
         if device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
+            built = list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("**/deepspeed_shm_comm*.so"))
+            if not built and du.is_rank0():
+                # Otherwise the first start shows only compiler lines for 30-90 s.
+                log.warning("DeepSpeed is building its CPU shared-memory op once (30-90 s; cached in %s; `make` builds "
+                            "it at set-up)", os.environ["TORCH_EXTENSIONS_DIR"])
         import deepspeed
 
         backend = engine_cfg.backend if engine_cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
@@ -280,7 +287,7 @@ class DeepSpeedZeroEngine:
 
     def save(self, directory: Path) -> None:
         # Collective: every rank writes its own optimizer partition under directory/deepspeed/.
-        self.ds.save_checkpoint(str(directory), tag="deepspeed", save_latest=False, exclude_frozen_parameters=True)
+        self.ds.save_checkpoint(str(directory), tag="deepspeed", save_latest=True, exclude_frozen_parameters=True)
 
     def load(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
         path, _ = self.ds.load_checkpoint(str(directory), tag="deepspeed", load_module_strict=False,

@@ -15,8 +15,10 @@ Architecture of the exported checkpoint:
   * with one, no stock class has an ungated shared expert in the right place for every family, so it is a
     registered architecture: model_type `slimwise_<base model_type>`, class `Slimwise<StockClass>`, which is the
     stock class plus one `SharedExpert` per MoE block (`<block>.slimwise_shared_expert`, added to the routed
-    experts' output). Loading needs `import slimwise_train.distill.export` (it registers the classes with
-    AutoConfig / AutoModelForCausalLM); then `AutoModelForCausalLM.from_pretrained(path)` works in a fresh process.
+    experts' output). The folder is self-describing: `modeling_slimwise.py` (transformers and torch only, no
+    project import) and an `auto_map` in config.json, so `AutoModelForCausalLM.from_pretrained(path,
+    trust_remote_code=True)` loads it anywhere; without trust_remote_code transformers says so in one message.
+    `import slimwise_train.distill.export` registers the same classes, so in-project code needs neither.
     Expert tensors are stored in the stock on-disk layout (the stock conversion mapping is registered too).
 """
 
@@ -109,6 +111,87 @@ def _register_all() -> dict[str, tuple[type, type]]:
 REGISTERED = _register_all()
 
 
+REMOTE_CODE_FILE = "modeling_slimwise.py"
+_REMOTE_CODE = '''"""A distilled SlimWise decode model: the stock {base_model} plus one shared expert per MoE block.
+
+Written by slimwise_train's export (no slimwise_train import needed): load with
+    AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+It decodes on the KV cache that the unpruned model wrote for the prompt (attention is unchanged).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from {base_config_module} import {base_config}
+from {base_model_module} import {base_model}
+
+try:  # the stock on-disk expert layout -> fused tensors, as for the base model
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping, register_checkpoint_conversion_mapping
+
+    _mapping = get_checkpoint_conversion_mapping("{base_model_type}")
+    if _mapping is not None:
+        register_checkpoint_conversion_mapping("{model_type}", _mapping, overwrite=True)
+except ImportError:  # pragma: no cover
+    pass
+
+
+class SharedExpert(nn.Module):
+    """down(act(gate(x)) * up(x)), bias-free; added to the routed experts' output."""
+
+    def __init__(self, hidden, intermediate, act):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act_fn = ACT2FN[act]
+
+    def forward(self, x):
+        dtype = x.dtype
+        gate = F.linear(x, self.gate_proj.weight.to(dtype))
+        up = F.linear(x, self.up_proj.weight.to(dtype))
+        return F.linear(self.act_fn(gate) * up, self.down_proj.weight.to(dtype))
+
+
+def _add_shared_expert(shared):
+    def hook(module, args, output):
+        return output + shared(args[0]).view_as(output)
+
+    return hook
+
+
+class {config_cls}({base_config}):
+    model_type = "{model_type}"
+
+
+class {model_cls}({base_model}):
+    config_class = {config_cls}
+
+    def __init__(self, config):
+        super().__init__(config)
+        size = getattr(config, "slimwise_shared_expert_intermediate_size", None)
+        if size:
+            for block_name, experts_name in config.slimwise_shared_expert_sites:
+                shared = SharedExpert(config.hidden_size, int(size), config.slimwise_shared_expert_act)
+                self.get_submodule(block_name).add_module("{shared_name}", shared)
+                self.get_submodule(experts_name).register_forward_hook(_add_shared_expert(shared))
+'''
+
+
+def remote_code(base_model_type: str) -> tuple[str, dict]:
+    """(the standalone modeling file, the auto_map) for the registered architecture of `base_model_type`."""
+    config_cls, model_cls = REGISTERED[base_model_type]
+    base_config, base_model = config_cls.__mro__[1], model_cls.__mro__[1]
+    source = _REMOTE_CODE.format(
+        base_config_module=base_config.__module__, base_config=base_config.__name__,
+        base_model_module=base_model.__module__, base_model=base_model.__name__, base_model_type=base_model_type,
+        model_type=config_cls.model_type, config_cls=config_cls.__name__, model_cls=model_cls.__name__,
+        shared_name=SHARED_EXPERT)
+    module = REMOTE_CODE_FILE.removesuffix(".py")
+    return source, {"AutoConfig": f"{module}.{config_cls.__name__}",
+                    "AutoModelForCausalLM": f"{module}.{model_cls.__name__}"}
+
+
 # --------------------------------------------------------------------------- trainable-only file
 
 
@@ -192,13 +275,18 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
         config_cls, model_cls = REGISTERED[base_model_type]
         shared_expert = getattr(student.moe_layers[0].block, SHARED_EXPERT)
         act, size = shared_expert.act_name, shared_expert.down_proj.in_features
+        names = {id(module): name for name, module in model.named_modules()}
+        sites = [[names[id(moe.block)], names[id(moe.experts)]] for moe in get_adapter(model).moe_layers(model)]
+        source, auto_map = remote_code(base_model_type)
         new_config = config_cls.from_dict({
             **config.to_dict(),
             "model_type": config_cls.model_type,
             "architectures": [model_cls.__name__],
+            "auto_map": auto_map,
             "slimwise_base_model_type": base_model_type,
             "slimwise_shared_expert_intermediate_size": int(size),
             "slimwise_shared_expert_act": act,
+            "slimwise_shared_expert_sites": sites,
         })
         dtype = next(model.parameters()).dtype
         out_model = model_cls(new_config).to(dtype)
@@ -212,7 +300,7 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
         "format": "slimwise-distilled-decoder/1",
         "architecture": "registered" if shared else "stock",
         "base_model_type": base_model_type,
-        "load": ("import slimwise_train.distill.export; AutoModelForCausalLM.from_pretrained(path)" if shared
+        "load": ("AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)" if shared
                  else "AutoModelForCausalLM.from_pretrained(path)"),
         "prefill": "the unpruned teacher prefills the prompt; this model decodes on its KV cache",
         "num_kept": list(student.keep_set.num_kept),
@@ -220,6 +308,8 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
         out_model.save_pretrained(tmp)
+        if shared:
+            (tmp / REMOTE_CODE_FILE).write_text(source)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         student.keep_set.save(tmp / "slimwise_keep_set.json")

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.atomic import write_text_atomic
 
 log = logging.getLogger("slimwise.train")
 LOGGERS = ("none", "wandb")
@@ -29,11 +30,24 @@ class NoopSink:
 
 
 class JsonlSink(NoopSink):
-    """One JSON object per logged step in output_dir/metrics.jsonl (appended, so a resumed run continues it)."""
+    """One JSON object per logged step in output_dir/metrics.jsonl.
 
-    def __init__(self, output_dir: Path):
+    `resumed_step`: a run resumed from the checkpoint of that step keeps the records up to it and continues the file
+    (the steps it replays are not logged twice); None starts the file afresh."""
+
+    def __init__(self, output_dir: Path, resumed_step: int | None = None):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if resumed_step is not None and self.path.is_file():
+            for line in self.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a kill
+                    continue
+                if int(record.get("step", 0)) <= resumed_step:
+                    kept.append(line)
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", buffering=1)
 
     def log(self, step, metrics, histograms=None):
@@ -49,8 +63,8 @@ class JsonlSink(NoopSink):
 
 
 class WandbSink(JsonlSink):
-    def __init__(self, output_dir: Path, logger_cfg, config: dict):
-        super().__init__(output_dir)
+    def __init__(self, output_dir: Path, logger_cfg, config: dict, resumed_step: int | None = None):
+        super().__init__(output_dir, resumed_step)
         import wandb
 
         mode = logger_cfg.mode
@@ -89,14 +103,14 @@ class WandbSink(JsonlSink):
             self.run = None
 
 
-def build_sink(logger_cfg, output_dir: Path, config: dict):
+def build_sink(logger_cfg, output_dir: Path, config: dict, resumed_step: int | None = None):
     if logger_cfg.name not in LOGGERS:
         raise ValueError(f"unknown logger {logger_cfg.name!r}; use one of {', '.join(LOGGERS)} (logger=wandb)")
     if not du.is_rank0():
         return NoopSink()
     if logger_cfg.name == "wandb":
-        return WandbSink(output_dir, logger_cfg, config)
-    return JsonlSink(output_dir)
+        return WandbSink(output_dir, logger_cfg, config, resumed_step)
+    return JsonlSink(output_dir, resumed_step)
 
 
 def _run_id(output_dir: Path) -> str:

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from slimwise_train.moe.adapters import get_adapter
-from slimwise_train.config import to_container
+from slimwise_train.config import TrainAppConfig, check_known_keys, to_container
 from slimwise_train.distill import batches as B
 from slimwise_train.distill.checkpoint import gather_objects, load_checkpoint, resolve_resume, save_checkpoint
 from slimwise_train.distill.engine import build_engine, validate_engine_config
@@ -41,6 +42,7 @@ from slimwise_train.moe.handoff import copy_cache, make_cache_autograd_safe, pos
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
+from slimwise_train.utils.rundir import acquire_lock, check_writable, clean_stale_temporaries, release_lock
 
 log = logging.getLogger("slimwise.train")
 
@@ -50,6 +52,7 @@ class NonFiniteLossError(RuntimeError):
 
 
 def validate_train_config(cfg) -> None:
+    check_known_keys(cfg, TrainAppConfig)
     d = cfg.distill
     if d.kl_loss not in KL_LOSSES:
         raise ValueError(f"unknown distill.kl_loss {d.kl_loss!r}; use one of {', '.join(KL_LOSSES)}")
@@ -85,15 +88,22 @@ class Trainer:
         self.tokens_seen = 0
         self.engine = None
         self.sink = None
+        self.lock = None
 
     # ================================================================== setup
     def setup(self) -> "Trainer":
+        from slimwise_train.data.loading import check_seq_len
         from slimwise_train.models import load_model, resolve_device
 
         cfg = self.cfg
         validate_train_config(cfg)
         du.init_if_launched(cfg.engine.backend)
         self.rank, self.world_size = du.rank(), du.world_size()
+        if du.is_rank0():
+            # Before loading anything: an unwritable folder, or one a live job holds, fails now, not at the first save.
+            check_writable(self.output_dir)
+            self.lock = acquire_lock(self.output_dir)
+            clean_stale_temporaries(self.output_dir)
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", du.local_rank())
@@ -104,6 +114,7 @@ class Trainer:
 
         # ---- model, keep set, the one student/teacher module
         model, self.tokenizer = load_model(cfg.model, self.device)
+        check_seq_len(cfg.data, model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.keep_set = self._resolve_keep_set(model)
         self.student = DistillModel(model, self.keep_set, StudentSpec.from_config(cfg.distill, seed=cfg.seed))
@@ -150,7 +161,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.output_dir / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
             self.keep_set.save(self.output_dir / "keep_set.json")
-        self.sink = build_sink(cfg.logger, self.output_dir, resolved)
+        self.sink = build_sink(cfg.logger, self.output_dir, resolved, self.step if resume_from is not None else None)
         self.sink.summary({
             "trainable_params": self.counts["trainable"], "total_params": self.counts["total"],
             "trainable_share": self.counts["trainable"] / self.counts["total"],
@@ -161,13 +172,26 @@ class Trainer:
         return self
 
     def _load_pairs(self):
-        """(train pairs, held-out pairs). When distill.eval_split is the training split, the held-out rows are cut
-        off the end of one shuffled read, so they never appear in training."""
-        from slimwise_train.data.loading import load_pairs
+        """(train pairs, held-out pairs), disjoint. When distill.eval_split is the training split, or the source is a
+        local file or folder (which has no named splits), the held-out rows are cut off the end of one shuffled read,
+        so they never appear in training. A separate split that shares rows with the training read is refused."""
+        from slimwise_train.data.loading import has_named_splits, load_pairs
 
         data_cfg, n_train, n_eval = self.cfg.data, int(self.cfg.data.num_samples), int(self.cfg.distill.eval_samples)
-        if self.cfg.distill.eval_split != data_cfg.split:
-            return load_pairs(data_cfg), load_pairs(data_cfg, split=self.cfg.distill.eval_split, num_samples=n_eval)
+        eval_split = self.cfg.distill.eval_split
+        if eval_split != data_cfg.split and not has_named_splits(data_cfg.source):
+            log.info("data %s has no named splits: holding out %d rows of it for distill.eval_split=%s",
+                     data_cfg.source, n_eval, eval_split)
+        elif eval_split != data_cfg.split:
+            train, held_out = load_pairs(data_cfg), load_pairs(data_cfg, split=eval_split, num_samples=n_eval)
+            seen = set(train)
+            shared = sum(p in seen for p in held_out)
+            if shared:
+                raise ValueError(
+                    f"{shared} of {len(held_out)} held-out rows (distill.eval_split={eval_split}) are also training "
+                    f"rows of split {data_cfg.split}; set distill.eval_split={data_cfg.split} to hold out rows of the "
+                    "training read instead")
+            return train, held_out
         pairs = load_pairs(data_cfg, num_samples=n_train + n_eval)
         if len(pairs) <= n_eval:
             raise ValueError(f"data source {data_cfg.source!r} has {len(pairs)} rows, not enough to hold out "
@@ -432,9 +456,14 @@ class Trainer:
         first_step = self.step
         history: list[dict] = []
         window_fractions: list[float] = []
+        bar = tqdm(total=max_steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
+                   disable=not (cfg.progress and du.is_rank0()))
         while self.step < max_steps:
             metrics = self.train_step(self.step)
             self.step += 1
+            bar.update(1)
+            if "loss" in metrics:
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
             window_fractions += metrics.pop("_split_fractions", [])
             history.append({"step": self.step, **{k: v for k, v in metrics.items() if k in ("loss", "kl", "ce")}})
             if self.step % int(d.log_every) == 0 or self.step == max_steps or self.step == first_step + 1:
@@ -453,6 +482,7 @@ class Trainer:
                                 int(d.keep_checkpoints), before_rename=hook if du.is_rank0() else None)
             if extra.get("kill_after_step") == self.step:  # test hook: die like a preempted job
                 _kill_self()
+        bar.close()
         train_seconds = time.perf_counter() - t_train
         return self._finish(history, train_seconds, first_step)
 
@@ -505,6 +535,9 @@ class Trainer:
         log.info("exported the distilled decoder to %s", self.output_dir / "export")
 
     def close(self) -> None:
+        if self.lock is not None:
+            release_lock(self.lock)
+            self.lock = None
         if self.sink is not None:
             self.sink.close()
         if self.engine is not None:

@@ -25,9 +25,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import CONF_DIR, register_configs, to_container
+from slimwise_train.config import CONF_DIR, EvalAppConfig, check_known_keys, register_configs, to_container
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import user_errors
+from slimwise_train.utils.rundir import check_writable, die_with_launcher
 
 log = logging.getLogger("slimwise.eval")
 LOGGERS = ("none", "wandb")
@@ -49,6 +50,8 @@ def keep_set_name(path: str | Path, taken: set[str]) -> str:
 def validate_eval_config(cfg) -> None:
     from slimwise_train.eval.generation import MODES, check_student_path
 
+    check_known_keys(cfg, EvalAppConfig)
+    check_writable(Path(cfg.output_dir), create=False)
     ev = cfg.eval
     unknown = [m for m in ev.modes if m not in MODES]
     if unknown:
@@ -168,6 +171,7 @@ register_configs()
 
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base=None)
 def main(cfg: DictConfig) -> None:
+    die_with_launcher()
     du.init_if_launched()
     with user_errors("slimwise_train.eval"):
         run_eval(cfg)

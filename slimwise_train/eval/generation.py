@@ -231,7 +231,10 @@ def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, Ke
 
     path = check_student_path(path)
     param = next(full_model.parameters())
-    student = AutoModelForCausalLM.from_pretrained(path, dtype=param.dtype).to(param.device).eval()
+    from slimwise_train.models import from_pretrained_or_explain
+
+    student = from_pretrained_or_explain(AutoModelForCausalLM.from_pretrained, str(path), "eval.student",
+                                         dtype=param.dtype).to(param.device).eval()
     full_vocab = full_model.get_output_embeddings().weight.shape[0]
     student_vocab = student.get_output_embeddings().weight.shape[0]
     if student_vocab != full_vocab:

@@ -41,7 +41,9 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
     lines += [f"- problems per family: {problems}", f"- token budget: {budgets} ({results['budget_rule']})",
               "- cells: accuracy / median length / p90 length / share that hit the budget (lengths in tokens incl. "
               "EOS); first tok = first-token agreement with the full model; exact = full = whole output equals the "
-              "full model's; collapse = share that ended shorter than half the reference", ""]
+              "full model's; collapse = share that ended shorter than half the reference"]
+    descriptions = results.get("mode_descriptions") or {}
+    lines += ["- modes: " + "; ".join(f"**{mode}** = {text}" for mode, text in descriptions.items()), ""]
     names = list(results["keep_sets"]) or [None]
     for name in names:
         if name is None:
@@ -79,6 +81,10 @@ def _cdf(values) -> tuple[list, list]:
     return [values[0], *values], [0.0, *((k + 1) / len(values) for k in range(len(values)))]
 
 
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)))
+_MARKERS = ("o", "s", "^", "D", "v")
+
+
 def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
     """CDF of output lengths per family (one panel each), one line per mode, the reference answers dashed and
     the budget as a vertical line. Written atomically with the Agg backend."""
@@ -97,14 +103,20 @@ def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
         idx = [i for i, f in enumerate(problem_family) if f == family]
         ref = sorted(results["problems"][i]["reference_length"] for i in idx)
         ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
-        for run in runs:
-            ax.step(*_cdf(run["length"][i] for i in idx), where="post", label=run["mode"])
+        for k, run in enumerate(runs):
+            # Modes often coincide (full and reverse, conventional and slimwise): distinct dashes, markers and a
+            # small vertical offset keep every line visible where they overlap.
+            xs, ys = _cdf(run["length"][i] for i in idx)
+            offset = 0.006 * (k - (len(runs) - 1) / 2)
+            ax.step(xs, [y + offset for y in ys], where="post", label=run["mode"], lw=1.3,
+                    ls=_LINESTYLES[k % len(_LINESTYLES)], marker=_MARKERS[k % len(_MARKERS)],
+                    markevery=max(1, len(xs) // 8), markersize=4)
         ax.axvline(results["budget"][family], color="k", lw=0.8, ls=":", label="budget")
         ax.set_title(family)
         ax.set_xlabel("output tokens (incl. EOS)")
-        ax.set_ylim(0, 1.02)
+        ax.set_ylim(0, 1.04)
+        ax.legend(fontsize=7, loc="lower right")
     axes[0][0].set_ylabel("share of problems")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(f"output length CDF, keep set {keep_set}" if keep_set else "output length CDF, full model")
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -3,8 +3,12 @@
     masking = PhaseMasking(model, keep_set)      # installs one forward hook per MoE router
     with masking.phase("prefill"): out = model(prompt, use_cache=True)
     with masking.phase("decode"):  model(next_tokens, past_key_values=out.past_key_values)
-    masking.set_phase("auto")      # decide per forward: empty cache -> prefill, else decode
-    model.generate(...)             # so HF generate runs SlimWise in one call
+    masking.set_phase("auto")      # decide per forward by what it is: one new token per sequence on a
+    model.generate(...)             # non-empty cache = decode, anything else = prompt (prefill)
+
+In SlimWise every prompt token is prefill, so "auto" masks only single-token steps on an existing cache: a
+second chat turn appended to the cache, or a prompt prefilled in chunks, runs through the full pool. A caller
+that prefills a one-token chunk marks it with `with masking.phase("prefill"):` (explicit phases always win).
 
 In the decode phase a removed expert's router logit is -inf *before* the top-k, so it is never selected and
 the kept experts' weights are renormalised exactly as in a physically pruned model. In the prefill phase the
@@ -59,7 +63,7 @@ class PhaseMasking:
         if self._phase != "auto":
             return None
         cache = kwargs.get("past_key_values")
-        self._masking_now = cache is not None and cache.get_seq_length() > 0
+        self._masking_now = cache is not None and cache.get_seq_length() > 0 and new_tokens(args, kwargs) == 1
         return None
 
     # ------------------------------------------------------------------ phase control
@@ -92,6 +96,14 @@ class PhaseMasking:
         self._handles.clear()
         if getattr(self.model, "_slimwise_masking", None) is self:
             del self.model._slimwise_masking
+
+
+def new_tokens(args, kwargs) -> int | None:
+    """Tokens per sequence this forward adds ([B, T] input_ids or [B, T, H] inputs_embeds -> T)."""
+    for value in (kwargs.get("input_ids"), args[0] if args else None, kwargs.get("inputs_embeds")):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[1])
+    return None
 
 
 def get_masking(model: nn.Module) -> PhaseMasking | None:

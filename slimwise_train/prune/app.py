@@ -24,9 +24,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import CONF_DIR, register_configs
+from slimwise_train.config import CONF_DIR, PruneAppConfig, check_known_keys, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import user_errors
+from slimwise_train.utils.rundir import check_writable, claim_output_dir, die_with_launcher
 
 log = logging.getLogger("slimwise.prune")
 
@@ -43,17 +44,16 @@ def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
 
 def run_prune(cfg) -> dict:
     """The whole prune job; returns the summary. Importable for tests and notebooks."""
-    from safetensors.torch import save_file
-
+    from slimwise_train.models import load_model, model_identity
     from slimwise_train.moe.adapters import get_adapter
     from slimwise_train.moe.keepset import KeepSet
-    from slimwise_train.models import load_model, model_identity
-    from slimwise_train.moe.pruning import check_exportable, export_pruned
+    from slimwise_train.moe.pruning import check_exportable
     from slimwise_train.prune.criteria import get_criterion, select_keep, validate_prune_config
-    from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint, save_scores
-    from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
+    from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
 
+    check_known_keys(cfg, PruneAppConfig)
     validate_prune_config(cfg.prune)
+    check_writable(Path(cfg.output_dir), create=False)
     model, tokenizer = load_model(cfg.model, cfg.device)
     adapter = get_adapter(model)
     layers = adapter.moe_layers(model)
@@ -83,22 +83,31 @@ def run_prune(cfg) -> dict:
         "world_size": du.world_size(),
     }
     if du.is_rank0():
-        out = Path(cfg.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        if cfg.prune.export_checkpoint:
-            export_pruned(model, keep_set, out / "pruned", tokenizer=tokenizer, overwrite=True)
-        save_scores(out / "scores.safetensors", stats, {**stats_meta, "model": fingerprint})
-        keep_set.save(out / "keep_set.json")
-        if cfg.prune.export_mask:
-            with atomic_path(out / "router_mask.safetensors") as tmp:
-                save_file(router_mask_tensors(keep_set), str(tmp),
-                          metadata={"format": "slimwise-router-mask/1", "model": json.dumps(fingerprint, sort_keys=True)})
-        write_text_atomic(out / "prune_config.yaml", OmegaConf.to_yaml(cfg))
-        write_json_atomic(out / "prune_summary.json", summary)
-        log.info("kept %s experts per layer (%s, ratio %s) -> %s", list(keep_set.num_kept), cfg.prune.criterion,
-                 cfg.prune.ratio, out)
+        with claim_output_dir(cfg.output_dir) as out:
+            _write_outputs(cfg, out, model, tokenizer, keep_set, stats, stats_meta, fingerprint, summary)
     du.barrier()
     return summary
+
+
+def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta, fingerprint, summary) -> None:
+    from safetensors.torch import save_file
+
+    from slimwise_train.moe.pruning import export_pruned
+    from slimwise_train.prune.statistics import save_scores
+    from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
+
+    if cfg.prune.export_checkpoint:
+        export_pruned(model, keep_set, out / "pruned", tokenizer=tokenizer, overwrite=True)
+    save_scores(out / "scores.safetensors", stats, {**stats_meta, "model": fingerprint})
+    keep_set.save(out / "keep_set.json")
+    if cfg.prune.export_mask:
+        with atomic_path(out / "router_mask.safetensors") as tmp:
+            save_file(router_mask_tensors(keep_set), str(tmp),
+                      metadata={"format": "slimwise-router-mask/1", "model": json.dumps(fingerprint, sort_keys=True)})
+    write_text_atomic(out / "prune_config.yaml", OmegaConf.to_yaml(cfg))
+    write_json_atomic(out / "prune_summary.json", summary)
+    log.info("kept %s experts per layer (%s, ratio %s) -> %s", list(keep_set.num_kept), cfg.prune.criterion,
+             cfg.prune.ratio, out)
 
 
 register_configs()
@@ -106,6 +115,7 @@ register_configs()
 
 @hydra.main(config_path=CONF_DIR, config_name="prune", version_base=None)
 def main(cfg: DictConfig) -> None:
+    die_with_launcher()
     du.init_if_launched()
     with user_errors("slimwise_train.prune"):
         run_prune(cfg)

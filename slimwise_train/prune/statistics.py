@@ -141,13 +141,24 @@ def load_scores(path) -> tuple[ExpertStatistics, dict]:
     return ExpertStatistics.from_tensors(load_file(str(path)), meta), meta
 
 
-def model_fingerprint(model, adapter) -> dict:
-    """Identity of a model for scores files: family, MoE layout and a hash of every router's weights."""
+def weights_digest(model) -> str:
+    """sha256 over every parameter and buffer (names, dtypes, shapes, raw bytes) in state-dict order.
+
+    Every weight can change the statistics: attention and embeddings shape the hidden states the routers see,
+    experts their output norms (EAN, REAP). Hashing routers only gave a fine-tune with frozen routers, or a merged
+    LoRA, another model's cached scores.
+    """
     digest = hashlib.sha256()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        tensor = tensor.detach()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model, adapter) -> dict:
+    """Identity of a model for scores files: family, MoE layout and a hash of all its weights."""
     layers = adapter.moe_layers(model)
-    for moe in layers:
-        for tensor in moe.router.parameters():
-            digest.update(tensor.detach().float().cpu().numpy().tobytes())
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return {
         "family": adapter.family,
@@ -156,7 +167,7 @@ def model_fingerprint(model, adapter) -> dict:
         "num_experts": [m.num_experts for m in layers],
         "top_k": layers[0].top_k,
         "hidden_size": getattr(config, "hidden_size", None),
-        "router_sha256": digest.hexdigest(),
+        "weights_sha256": weights_digest(model),
     }
 
 
@@ -195,14 +206,32 @@ def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
+def check_enough_tokens(num_tokens: int, minimum: int, where: str) -> None:
+    if num_tokens < minimum:
+        raise ValueError(
+            f"{where}: {num_tokens} real calibration tokens, fewer than prune.min_calibration_tokens={minimum}; "
+            "raise data.num_samples or data.seq_len (or lower prune.min_calibration_tokens)"
+        )
+
+
 def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
     """(ExpertStatistics, metadata, source) where source is 'file', 'cache' or 'computed'."""
-    from slimwise_train.data.loading import calibration_batches, encode_all, load_pairs, num_batches
+    stats, meta, source = _compute_or_load_statistics(model, tokenizer, cfg, fingerprint)
+    num_tokens = int(stats.num_tokens[0].item())
+    check_enough_tokens(num_tokens, int(cfg.prune.min_calibration_tokens),
+                        f"statistics ({source}{': ' + str(cfg.prune.scores) if source == 'file' else ''})")
+    log.info("statistics (%s): %d real calibration tokens", source, num_tokens)
+    return stats, meta, source
+
+
+def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
+    from slimwise_train.data.loading import calibration_batches, check_seq_len, encode_all, load_pairs, num_batches
 
     if cfg.prune.scores:
         stats, meta = load_scores(cfg.prune.scores)
         check_same_model(meta.get("model", {}), fingerprint, cfg.prune.scores)
         return stats, meta, "file"
+    check_seq_len(cfg.data, model)
     key = statistics_key(fingerprint, cfg.data, tokenizer)
     cache_file = Path(cfg.prune.cache_dir) / f"{key}.safetensors"
     if cfg.prune.use_cache and cache_file.is_file():
@@ -212,10 +241,13 @@ def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
         return stats, meta, "cache"
     pairs = load_pairs(cfg.data)
     encoded = encode_all(tokenizer, pairs, cfg.data)
+    # Refuse before the forward passes, not after: the count is known from the token ids.
+    check_enough_tokens(sum(len(ids) for ids, _ in encoded), int(cfg.prune.min_calibration_tokens),
+                        f"calibration data {cfg.data.source!r}")
     rank, world = du.rank(), du.world_size()
     if len(encoded) < world:
         raise ValueError(f"calibration set has {len(encoded)} sequences for {world} ranks; raise data.num_samples")
-    log.info("statistics: calibrating on %d sequences (%d tokens) across %d rank(s)", len(encoded),
+    log.info("statistics: calibrating on %d sequences (%d real tokens) across %d rank(s)", len(encoded),
              sum(len(e[0]) for e in encoded), world)
     batches = calibration_batches(encoded, cfg.data.batch_size, tokenizer.pad_token_id, rank, world)
     stats = collect_statistics(model, batches, progress=cfg.progress,

@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Iterator
 
 
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary sibling path to write; it is renamed onto `path` only if the block succeeds."""
@@ -21,6 +27,9 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tmp)
     try:
         yield tmp
+        if tmp.exists():
+            # mkstemp makes 0600; the result should be readable like any file the user makes (shared filesystems).
+            tmp.chmod(0o666 & ~current_umask())
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -48,9 +57,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
         raise FileExistsError(f"{path} already exists; pass overwrite=true or choose another output folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the result should look like any folder the user makes
+    tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; the result should look like any folder the user makes
     try:
         yield tmp
         if path.exists():

@@ -44,6 +44,15 @@ def init_if_launched(backend: str = "auto") -> None:
     dist.init_process_group(backend=backend)
 
 
+def broadcast_object(obj, src: int = 0):
+    """`obj` as rank `src` has it, on every rank (unchanged without a process group)."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

@@ -1,0 +1,186 @@
+"""Faults recover as stated: output folders are locked and checked at start, leftovers are cleaned, a model or
+checkpoint that cannot load is one clear line, checkpoints verify their checksums."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from slimwise_train.config import CONF_DIR, ModelConfig, register_configs
+from slimwise_train.distill.checkpoint import CorruptCheckpoint, verify_checkpoint
+from slimwise_train.distill.trainer import Trainer
+from slimwise_train.models import load_model
+from slimwise_train.utils.rundir import LOCK_NAME, acquire_lock, release_lock
+
+register_configs()
+SMALL = ["experiment=tiny_smoke", "logger=none", "resume=auto", "distill.max_steps=4", "distill.save_every=2",
+         "distill.eval_every=4", "distill.log_every=1", "distill.keep_checkpoints=5", "distill.export=false"]
+
+
+def trainer_for(output_dir, *overrides) -> Trainer:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return Trainer(compose("train", overrides=[*SMALL, f"output_dir={output_dir}", *overrides]))
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+# --------------------------------------------------------------------------- 7. one live job per output folder
+
+
+def test_a_live_jobs_folder_is_refused_with_host_and_pid(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                                  "started": "2026-12-01 10:00:00"}))
+    trainer = trainer_for(tmp_path)
+    with pytest.raises(ValueError, match=rf"in use by another job \(pid {os.getppid()} on {socket.gethostname()}"):
+        trainer.setup()
+    trainer.close()
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, caplog):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid()}))
+    with caplog.at_level("WARNING"):
+        lock = acquire_lock(tmp_path)
+    assert "taking over the stale lock" in caplog.text
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    with pytest.raises(ValueError, match="in use by another job"):  # now held: a second claim is refused
+        acquire_lock(tmp_path)
+    release_lock(lock)
+    assert not lock.exists()
+
+
+def test_a_lock_from_another_host_is_reported_not_taken(tmp_path):
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"host": "other-node-17", "pid": 1234}))
+    with pytest.raises(ValueError, match=f"pid 1234 on other-node-17.*delete {tmp_path / LOCK_NAME}"):
+        acquire_lock(tmp_path)
+
+
+# --------------------------------------------------------------------------- 9. unwritable output at start
+
+
+def test_an_unwritable_output_folder_fails_at_start(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    trainer = trainer_for(blocker / "run")
+    with pytest.raises(ValueError, match="is not writable"):
+        trainer.setup()
+    assert trainer.engine is None  # failed before any model or engine was built
+    trainer.close()
+
+
+def test_prune_checks_its_output_folder_before_scoring(tmp_path):
+    from slimwise_train.prune.app import run_prune
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("prune", overrides=[f"output_dir={blocker / 'out'}", "progress=false"])
+    with pytest.raises(ValueError, match="cannot be created .* is not a folder"):
+        run_prune(cfg)
+
+
+# --------------------------------------------------------------------------- 10. leftovers, metrics after resume
+
+
+def test_stale_export_temporaries_are_removed_at_start(tmp_path):
+    (tmp_path / ".export.abc123.tmp").mkdir()
+    (tmp_path / ".export.abc123.tmp" / "model.safetensors").write_text("half")
+    (tmp_path / ".metrics.jsonl.x1.tmp").write_text("half")
+    (tmp_path / "keep_me.txt").write_text("user file")
+    trainer = trainer_for(tmp_path, "distill.max_steps=1", "distill.save_every=1", "distill.eval_every=1")
+    try:
+        trainer.setup()
+    finally:
+        trainer.close()
+    names = {p.name for p in tmp_path.iterdir()}
+    assert ".export.abc123.tmp" not in names and ".metrics.jsonl.x1.tmp" not in names and "keep_me.txt" in names
+    assert LOCK_NAME not in names  # released by close()
+
+
+# --------------------------------------------------------------------------- 8. checkpoints verify
+
+
+def test_checkpoint_verification_names_the_problem(tmp_path):
+    trainer = trainer_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2")
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    verify_checkpoint(ckpt)
+    sums = json.loads((ckpt / "checksums.json").read_text())
+    assert {"trainable.safetensors", "trainer_state.json", "rng.pt", "optimizer.pt"} <= set(sums)
+    data = (ckpt / "trainable.safetensors").read_bytes()
+    (ckpt / "trainable.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CorruptCheckpoint, match="trainable.safetensors does not match its checksum"):
+        verify_checkpoint(ckpt)
+    (ckpt / "trainer_state.json").unlink()
+    with pytest.raises(CorruptCheckpoint, match="trainer_state.json is missing"):
+        verify_checkpoint(ckpt)
+    # An explicit resume from it is a clear error.
+    trainer = trainer_for(tmp_path / "other", f"resume={ckpt}")
+    with pytest.raises(ValueError, match="trainer_state.json is missing"):
+        trainer.setup()
+    trainer.close()
+
+
+# --------------------------------------------------------------------------- 12. models that cannot load
+
+
+def test_missing_local_model_folder_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"model.path=.*/nope: no such folder"):
+        load_model(ModelConfig(name="x", path=str(tmp_path / "nope")), "cpu")
+
+
+def test_hub_id_offline_is_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match=r"model.path=nobody-xyz/no-such-moe: cannot load it .*HF_HUB_OFFLINE"):
+        load_model(ModelConfig(name="x", path="nobody-xyz/no-such-moe"), "cpu")
+
+
+def test_truncated_safetensors_is_one_line(tmp_path):
+    from transformers import AutoTokenizer
+
+    from slimwise_train.models import SHIPPED_TOKENIZER
+    from slimwise_train.testing.tiny import tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER))
+    tiny_model("qwen3_moe", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    with pytest.raises(ValueError, match=r"model.path=.*ckpt: .*(truncated|corrupt)"):
+        load_model(ModelConfig(name="x", path=str(tmp_path / "ckpt"), dtype="float32"), "cpu")
+
+
+def test_truncated_student_export_is_one_line(tmp_path):
+    from slimwise_train.eval.generation import load_student
+    from slimwise_train.testing.tiny import tiny_model
+
+    full = tiny_model("qwen3_moe")
+    full.save_pretrained(tmp_path / "student")
+    weights = tmp_path / "student" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:3000])
+    with pytest.raises(ValueError, match=r"eval.student=.*student: .*(truncated|corrupt)"):
+        load_student(tmp_path / "student", full)
+
+
+def test_cli_error_for_a_missing_model_folder(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "slimwise_train.prune", f"model.path={tmp_path / 'missing'}",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("slimwise_train.prune: error: model.path=") and "no such folder" in lines[-1]
+    assert "Traceback" not in proc.stderr
