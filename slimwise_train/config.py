@@ -82,6 +82,11 @@ class DistillConfig:
     train_norms: bool = True
     norm_scope: str = "all"  # all: every RMSNorm with a weight (incl. q/k norms) | layer: decoder-layer norms + final
     train_shared_expert: bool = True
+    # activation recompute in the student phase: none | moe (routed experts) | layer (decoder layers)
+    recompute: str = "none"
+    # teacher prefix + continuation in ONE forward, the cache cropped back to the prefix for the student (one
+    # weight gather fewer per micro-batch under ZeRO-3). null: on when every KV-cache layer is full attention.
+    teacher_single_pass: Optional[bool] = None
     # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation]
     min_split: int = 1
     min_continuation: int = 2
@@ -118,6 +123,12 @@ class EngineConfig:
     offload_optimizer: bool = False  # zero2 / zero3: optimizer state and step on CPU
     precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     backend: str = "auto"  # process-group backend: auto -> nccl on GPU, gloo on CPU
+    # zero3 only. partitioned_load: the frozen model is partitioned while it loads (no rank holds it whole).
+    partitioned_load: bool = True
+    max_live_parameters: int = 1_000_000_000  # DeepSpeed stage3_max_live_parameters
+    prefetch_bucket_size: int = 50_000_000  # stage3_prefetch_bucket_size (elements)
+    param_persistence_threshold: int = 100_000  # stage3_param_persistence_threshold: smaller tensors stay whole
+    offload_params: bool = False  # offload_param to CPU (frozen weights live in host memory between uses)
 
 
 @dataclass

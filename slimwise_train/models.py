@@ -3,6 +3,7 @@ random models of the stock classes for tests and smoke runs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -88,8 +89,12 @@ def load_tokenizer(model_cfg):
     return tokenizer
 
 
-def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None):
-    """(model in eval mode on `device`, tokenizer). Raises a clear error for a dense or unsupported model."""
+def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, partition=None):
+    """(model in eval mode on `device`, tokenizer). Raises a clear error for a dense or unsupported model.
+
+    `partition` (the trainer's ZeRO-3 partitioned loading): from_pretrained runs in its `from_pretrained()` context
+    (transformers' DeepSpeed-aware path builds the model partitioned); a tiny random model is built whole and handed
+    to its `partition(model)`. Without it a checkpoint loads straight onto `device` (on a GPU no host copy first)."""
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = resolve_dtype(model_cfg.dtype, device)
     if model_cfg.tiny and model_cfg.path:
@@ -104,12 +109,16 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None):
         overrides.setdefault("pad_token_id", tokenizer.pad_token_id)
         overrides.setdefault("eos_token_id", tokenizer.eos_token_id)
         model = tiny_model(model_cfg.tiny, seed=model_cfg.seed, **overrides).to(dtype)
+        if partition is not None:
+            model = partition.partition(model.to(device))
     else:
         if not model_cfg.path:
             raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
-        model = from_pretrained_or_explain(
-            AutoModelForCausalLM.from_pretrained, resolve_path(model_cfg.path), dtype=dtype, revision=model_cfg.revision,
-            trust_remote_code=model_cfg.trust_remote_code)
+        placement = {} if partition is not None or device.type == "cpu" else {"device_map": {"": device}}
+        with partition.from_pretrained() if partition is not None else contextlib.nullcontext():
+            model = from_pretrained_or_explain(
+                AutoModelForCausalLM.from_pretrained, resolve_path(model_cfg.path), dtype=dtype,
+                revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code, **placement)
     get_adapter(model)  # fail now, with the supported list, for a dense or unknown model
     if model_cfg.experts_implementation:
         model.set_experts_implementation(model_cfg.experts_implementation)
@@ -118,6 +127,8 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None):
             f"tokenizer has {len(tokenizer)} tokens but the model's embedding has "
             f"{model.get_input_embeddings().num_embeddings}; model.tokenizer points at the wrong tokenizer"
         )
+    if any(hasattr(p, "ds_id") for p in model.parameters()):  # partitioned: DeepSpeed placed the partitions
+        return model.eval(), tokenizer
     return model.to(device).eval(), tokenizer
 
 

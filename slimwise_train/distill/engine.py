@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slimwise_train.utils import distributed as du
@@ -67,6 +68,13 @@ def validate_engine_config(engine_cfg, distill_cfg) -> None:
         raise ValueError(f"engine.offload_optimizer needs engine=zero2 or zero3, not {engine_cfg.name}")
     if engine_cfg.precision not in ("auto", "fp32", "bf16"):
         raise ValueError(f"unknown engine.precision {engine_cfg.precision!r}; use auto, fp32 or bf16")
+    if engine_cfg.name != "zero3":
+        from slimwise_train.config import EngineConfig
+
+        for key in ("partitioned_load", "max_live_parameters", "prefetch_bucket_size", "param_persistence_threshold",
+                    "offload_params"):
+            if engine_cfg.get(key, getattr(EngineConfig, key)) != getattr(EngineConfig, key):
+                raise ValueError(f"engine.{key} applies to engine=zero3 only (this run: engine={engine_cfg.name})")
     if float(distill_cfg.grad_clip) < 0:
         raise ValueError(f"distill.grad_clip must be >= 0 (0 disables clipping), got {distill_cfg.grad_clip}")
 
@@ -79,11 +87,21 @@ def resolve_precision(engine_cfg, device: torch.device) -> str:
     return engine_cfg.precision
 
 
-def build_engine(engine_cfg, distill_cfg, module, micro_batch_size: int, device: torch.device):
+def build_engine(engine_cfg, distill_cfg, module, micro_batch_size: int, device: torch.device,
+                 loading: "PartitionedLoading | None" = None):
     validate_engine_config(engine_cfg, distill_cfg)
     if engine_cfg.name == "torch":
         return TorchEngine(module, distill_cfg, device)
-    return DeepSpeedZeroEngine(module, engine_cfg, distill_cfg, micro_batch_size, device)
+    return DeepSpeedZeroEngine(module, engine_cfg, distill_cfg, micro_batch_size, device,
+                               config=loading.config if loading is not None else None)
+
+
+def partitioned_loading(engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device):
+    """A `PartitionedLoading` for engine=zero3 with engine.partitioned_load (the default), else None."""
+    validate_engine_config(engine_cfg, distill_cfg)
+    if engine_cfg.name != "zero3" or not engine_cfg.partitioned_load:
+        return None
+    return PartitionedLoading(engine_cfg, distill_cfg, micro_batch_size, device)
 
 
 def _optimizer_kwargs(distill_cfg) -> dict:
@@ -193,24 +211,143 @@ def _init_single_process_group(backend: str) -> None:
     dist.init_process_group(backend=backend, rank=0, world_size=1)
 
 
+def _setup_deepspeed(engine_cfg, device: torch.device):
+    """Import deepspeed with its process group; JIT-built ops (the shm comm op) go to a cache folder we control."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        built = list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("**/deepspeed_shm_comm*.so"))
+        if not built and du.is_rank0():
+            # Otherwise the first start shows only compiler lines for 30-90 s.
+            log.warning("DeepSpeed is building its CPU shared-memory op once (30-90 s; cached in %s; `make` builds "
+                        "it at set-up)", os.environ["TORCH_EXTENSIONS_DIR"])
+    import deepspeed
+
+    backend = engine_cfg.backend if engine_cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    _init_single_process_group(backend)
+    deepspeed.init_distributed(dist_backend=backend)
+    return deepspeed
+
+
+def deepspeed_config(engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device) -> dict:
+    """The one DeepSpeed config of a run: used to load the model partitioned and to build the engine."""
+    stage = ZERO_STAGE[engine_cfg.name]
+    precision = resolve_precision(engine_cfg, device)
+    zero: dict = {"stage": stage}
+    if engine_cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    if stage == 3:
+        zero.update({
+            "stage3_max_live_parameters": int(engine_cfg.max_live_parameters),
+            "stage3_prefetch_bucket_size": int(engine_cfg.prefetch_bucket_size),
+            "stage3_param_persistence_threshold": int(engine_cfg.param_persistence_threshold),
+        })
+        if engine_cfg.offload_params:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
+    opt = _optimizer_kwargs(distill_cfg)
+    return {
+        "train_micro_batch_size_per_gpu": int(micro_batch_size),
+        "gradient_accumulation_steps": int(distill_cfg.grad_accum),
+        "optimizer": {"type": "AdamW", "params": {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
+                                                  "weight_decay": opt["weight_decay"], "torch_adam": True}},
+        # DeepSpeed 0.19 defaults gradient_clipping to 1.0; always set it from our config (0 = off).
+        "gradient_clipping": float(distill_cfg.grad_clip),
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # keep torch AdamW with offload (no JIT cpu_adam build)
+        "steps_per_print": 2**31,
+        "wall_clock_breakdown": False,
+    }
+
+
+def is_partitioned(tensor) -> bool:
+    """A ZeRO-3 parameter (its data is this rank's partition; the full shape is `ds_shape`)."""
+    return hasattr(tensor, "ds_id")
+
+
+class PartitionedLoading:
+    """engine=zero3: the frozen model is partitioned while it loads, so no rank ever holds it whole.
+
+    `from_pretrained()` is the context for `from_pretrained`: it keeps transformers' `HfDeepSpeedConfig` alive, so the
+    model is built under `deepspeed.zero.Init` and each tensor is loaded into its partitions; the engine is later
+    built from the same config. Tiny random models are built whole outside it (their random init writes full
+    tensors) and partitioned by `partition`. `gathered` / `gathered_inference` give the full parameters to code
+    that reads values before the engine exists (the weight fingerprint, expert scoring).
+    """
+
+    def __init__(self, engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device):
+        self.deepspeed = _setup_deepspeed(engine_cfg, device)
+        self.config = deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device)
+
+    @contextlib.contextmanager
+    def from_pretrained(self):
+        from transformers.integrations import HfDeepSpeedConfig
+
+        keep_alive = HfDeepSpeedConfig(self.config)  # transformers holds only a weak reference
+        try:
+            yield
+        finally:
+            del keep_alive
+
+    def partition(self, model: nn.Module) -> nn.Module:
+        if not any(is_partitioned(p) for p in model.parameters()):
+            self.deepspeed.zero.Init(module=model, config_dict_or_path=self.config)
+        return model
+
+    @contextlib.contextmanager
+    def gathered(self, params):
+        """Full values of `params` on every rank (collective: every rank calls it with the same list)."""
+        params = [p for p in params if is_partitioned(p)]
+        if not params:
+            yield
+            return
+        with self.deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+
+    @contextlib.contextmanager
+    def gathered_inference(self, model: nn.Module):
+        """Run no-grad forwards of the partitioned `model` before the engine exists: each module gathers its own
+        parameters just before its forward and releases them after (one module's weights at a time). Collective:
+        every rank must run the same number of forwards."""
+        contexts: dict[int, list] = {}
+        handles = []
+
+        def pre(module, args):
+            own = [p for p in module.parameters(recurse=False) if is_partitioned(p)]
+            if own:
+                ctx = self.deepspeed.zero.GatheredParameters(own, modifier_rank=None)
+                ctx.__enter__()
+                contexts.setdefault(id(module), []).append(ctx)
+
+        def post(module, args, output):
+            stack = contexts.get(id(module))
+            if stack:
+                stack.pop().__exit__(None, None, None)
+
+        for module in model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                handles.append(module.register_forward_pre_hook(pre))
+                handles.append(module.register_forward_hook(post))
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            for stack in contexts.values():
+                while stack:
+                    stack.pop().__exit__(None, None, None)
+
+
+
 class DeepSpeedZeroEngine:
     supports_partial_skip = False  # DeepSpeed counts micro-steps itself; see Trainer._abort_on_nan
 
-    def __init__(self, module, engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device):
-        # JIT-built ops (the shm comm op) go to a cache folder we control (gitignored .cache/).
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
-        if device.type == "cpu":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            built = list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("**/deepspeed_shm_comm*.so"))
-            if not built and du.is_rank0():
-                # Otherwise the first start shows only compiler lines for 30-90 s.
-                log.warning("DeepSpeed is building its CPU shared-memory op once (30-90 s; cached in %s; `make` builds "
-                            "it at set-up)", os.environ["TORCH_EXTENSIONS_DIR"])
-        import deepspeed
-
-        backend = engine_cfg.backend if engine_cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-        _init_single_process_group(backend)
-        deepspeed.init_distributed(dist_backend=backend)
+    def __init__(self, module, engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device,
+                 config: dict | None = None):
+        deepspeed = _setup_deepspeed(engine_cfg, device)
         self._deepspeed = deepspeed
         self.name = engine_cfg.name
         self.stage = ZERO_STAGE[engine_cfg.name]
@@ -220,26 +357,7 @@ class DeepSpeedZeroEngine:
         self.module = module
         names = module.trainable_named_parameters()
         self.trainable_names = [n for n, _ in names]
-        precision = resolve_precision(engine_cfg, device)
-        zero = {"stage": self.stage}
-        if engine_cfg.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
-        opt = _optimizer_kwargs(distill_cfg)
-        config = {
-            "train_micro_batch_size_per_gpu": int(micro_batch_size),
-            "gradient_accumulation_steps": self.grad_accum,
-            "optimizer": {"type": "AdamW", "params": {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
-                                                      "weight_decay": opt["weight_decay"], "torch_adam": True}},
-            # DeepSpeed 0.19 defaults gradient_clipping to 1.0; always set it from our config (0 = off).
-            "gradient_clipping": float(distill_cfg.grad_clip),
-            "zero_optimization": zero,
-            "bf16": {"enabled": precision == "bf16"},
-            "fp16": {"enabled": False},
-            "zero_allow_untested_optimizer": True,
-            "zero_force_ds_cpu_optimizer": False,  # keep torch AdamW with offload (no JIT cpu_adam build)
-            "steps_per_print": 2**31,
-            "wall_clock_breakdown": False,
-        }
+        config = config or deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device)
         schedule = lr_lambda(int(distill_cfg.warmup_steps), int(distill_cfg.max_steps), float(distill_cfg.min_lr_ratio))
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,

@@ -244,6 +244,10 @@ def folded_decoder(student: DistillModel) -> torch.nn.Module:
     shared experts kept as children, removed experts sliced out. The student is left untouched."""
     model = copy.deepcopy(student.model)
     _strip_hooks(model, {h.id for h in student._handles})
+    for module in model.modules():  # a copy of a recomputed module is a plain module again
+        base = getattr(type(module), "_slimwise_recompute_base", None)
+        if base is not None:
+            module.__class__ = base
     with torch.no_grad():
         for module in list(model.modules()):
             delta = module._modules.pop(ROUTER_DELTA, None)

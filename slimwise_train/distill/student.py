@@ -29,6 +29,7 @@ Shapes: T tokens (batch*seq flattened), H hidden, E routed experts, I shared-exp
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from transformers.activations import ACT2FN
 
 from slimwise_train.moe.adapters import MoEAdapter, MoELayer, get_adapter
 from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.utils.distributed import full_shape
 
 PHASES = ("teacher", "student")
 # Attribute names of the added children; export.py and the trainable-tensor file rely on them.
@@ -45,6 +47,10 @@ ROUTER_DELTA = "slimwise_router_delta"
 NORM_DELTA = "slimwise_norm_delta"
 SHARED_EXPERT = "slimwise_shared_expert"
 NORM_SCOPES = ("all", "layer")
+RECOMPUTE = ("none", "moe", "layer")
+# Cache layers that a recomputed decoder layer can rewind (their update reassigns tensors; linear-attention state is
+# updated in place and cannot be rewound, so those layers recompute their routed experts only).
+_REWINDABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 
 
 @dataclass
@@ -162,7 +168,7 @@ def find_norms(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Modul
         if not type(module).__name__.endswith("RMSNorm"):
             continue
         weight = getattr(module, "weight", None)
-        if not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        if not isinstance(weight, nn.Parameter) or len(full_shape(weight)) != 1:
             continue
         if scope == "layer":
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
@@ -172,6 +178,70 @@ def find_norms(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Modul
     return found
 
 
+# --------------------------------------------------------------------------- recompute
+
+
+class _Recompute:
+    """Activation recompute of one module in the student phase (`torch.utils.checkpoint`, use_reentrant=False).
+
+    The module's class is swapped for a subclass whose `__call__` runs the stock `__call__` under checkpoint, so
+    parameter names do not change and every forward hook (ZeRO-3's parameter gathering among them) fires again in
+    the recompute. For a decoder layer, `cache_index` names its KV-cache layer: the recompute rewinds that layer
+    to its state before the forward and restores it after, so the cache is not extended twice.
+    """
+
+    def __init__(self, module: nn.Module, is_active, recompute_context, cache_index: int | None = None):
+        self.module, self.original_class = module, type(module)
+        recompute, original = self, type(module)
+
+        def __call__(self_, *args, **kwargs):
+            if not is_active():
+                return original.__call__(self_, *args, **kwargs)
+            return recompute.checkpointed(original.__call__, self_, args, kwargs, cache_index, recompute_context)
+
+        module.__class__ = type(original.__name__, (original,), {"__call__": __call__, "__module__": original.__module__,
+                                                                 "_slimwise_recompute_base": original})
+
+    @staticmethod
+    def checkpointed(call, module, args, kwargs, cache_index, recompute_context):
+        from torch.utils.checkpoint import checkpoint as torch_checkpoint
+        from torch.utils.checkpoint import set_checkpoint_early_stop
+
+        def checkpoint(*a, **k):
+            # No early stop: the recompute runs the whole call, post-forward hooks included (ZeRO-3 releases the
+            # parameters it gathered for the recompute in one of them).
+            with set_checkpoint_early_stop(False):
+                return torch_checkpoint(*a, **k)
+
+        # The recompute runs in backward, after the forward has left the student phase: put it back for it.
+        contexts = lambda: (contextlib.nullcontext(), recompute_context())  # noqa: E731
+        cache = kwargs.get("past_key_values") if cache_index is not None else None
+        if cache is None:
+            return checkpoint(call, module, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        layer = cache.layers[cache_index]
+        before, after = dict(layer.__dict__), {}
+
+        def run(*a, **k):
+            if not after:  # the forward itself
+                try:
+                    return call(*a, **k)
+                finally:
+                    after.update(layer.__dict__)
+            current = dict(layer.__dict__)  # the recompute, during backward: rewind, run, restore
+            layer.__dict__.clear()
+            layer.__dict__.update(before)
+            try:
+                return call(*a, **k)
+            finally:
+                layer.__dict__.clear()
+                layer.__dict__.update(current)
+
+        return checkpoint(run, module, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    def remove(self) -> None:
+        self.module.__class__ = self.original_class
+
+
 # --------------------------------------------------------------------------- the one module
 
 
@@ -179,7 +249,7 @@ class DistillModel(nn.Module):
     """The stock model (frozen) plus the student's trainable children; `phase` selects teacher or student."""
 
     def __init__(self, model: nn.Module, keep_set: KeepSet, spec: StudentSpec | None = None,
-                 adapter: MoEAdapter | None = None):
+                 adapter: MoEAdapter | None = None, recompute: str = "none"):
         super().__init__()
         spec = spec or StudentSpec()
         self.adapter = adapter or get_adapter(model)
@@ -216,12 +286,49 @@ class DistillModel(nn.Module):
                     shared.down_proj.weight.zero_()
                 moe.block.add_module(SHARED_EXPERT, shared)
                 self._handles.append(moe.experts.register_forward_hook(self._experts_hook(moe.block)))
+        self._recomputed: list[_Recompute] = []
+        self._install_recompute(recompute)
         self.norm_names: list[str] = []
         if spec.train_norms:
             for name, norm in find_norms(model, spec.norm_scope):
-                norm.add_module(NORM_DELTA, NormDelta(norm.weight.shape[0], norm_eps(norm), dtype, device))
+                # full_shape: under partitioned loading (ZeRO-3) the weight holds one rank's slice.
+                norm.add_module(NORM_DELTA, NormDelta(full_shape(norm.weight)[0], norm_eps(norm), dtype, device))
                 self._handles.append(norm.register_forward_hook(self._norm_hook))
                 self.norm_names.append(name)
+
+    def _install_recompute(self, mode: str) -> None:
+        """distill.recompute: none | moe (the routed experts of every MoE layer: their saved views of the fused
+        expert tensors are what keeps gathered ZeRO-3 weights alive until backward) | layer (every decoder layer
+        whose KV cache can be rewound; the others recompute their experts)."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"unknown distill.recompute {mode!r}; use one of {', '.join(RECOMPUTE)}")
+        if mode == "none":
+            return
+
+        def active() -> bool:
+            return self.phase == "student" and torch.is_grad_enabled()
+
+        @contextlib.contextmanager
+        def student_phase():
+            previous, self.phase = self.phase, "student"
+            try:
+                yield
+            finally:
+                self.phase = previous
+
+        layers = list(self.adapter.decoder_layers(self.model))
+        whole = set()
+        if mode == "layer":
+            from transformers import DynamicCache
+
+            kinds = [type(layer).__name__ for layer in DynamicCache(config=text_config(self.model)).layers]
+            for index, layer in enumerate(layers):
+                if index < len(kinds) and kinds[index] in _REWINDABLE_CACHE_LAYERS:
+                    self._recomputed.append(_Recompute(layer, active, student_phase, cache_index=index))
+                    whole.add(index)
+        for moe in self.moe_layers:
+            if moe.layer_index not in whole:
+                self._recomputed.append(_Recompute(moe.experts, active, student_phase))
 
     # ------------------------------------------------------------------ hooks (student phase only)
     def _router_hook(self, moe: MoELayer):
@@ -298,3 +405,6 @@ class DistillModel(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for wrapped in self._recomputed:
+            wrapped.remove()
+        self._recomputed.clear()

@@ -34,13 +34,14 @@ from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.config import TrainAppConfig, check_known_keys, to_container
 from slimwise_train.distill import batches as B
 from slimwise_train.distill.checkpoint import gather_objects, load_checkpoint, resolve_resume, save_checkpoint
-from slimwise_train.distill.engine import build_engine, validate_engine_config
+from slimwise_train.distill.engine import build_engine, partitioned_loading, validate_engine_config
 from slimwise_train.distill.losses import KL_LOSSES, distill_loss
 from slimwise_train.distill.metrics import LOGGERS, build_sink
 from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
 from slimwise_train.moe.handoff import copy_cache, make_cache_autograd_safe, positions_from_mask
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.distributed import full_shape
 from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
 from slimwise_train.utils.rundir import acquire_lock, check_writable, clean_stale_temporaries, release_lock
 
@@ -89,6 +90,7 @@ class Trainer:
         self.engine = None
         self.sink = None
         self.lock = None
+        self.loading = None
 
     # ================================================================== setup
     def setup(self) -> "Trainer":
@@ -113,14 +115,19 @@ class Trainer:
         self.t_setup = time.perf_counter()
 
         # ---- model, keep set, the one student/teacher module
-        model, self.tokenizer = load_model(cfg.model, self.device)
+        # engine=zero3: the DeepSpeed config exists before the model, which loads partitioned (no rank holds it whole)
+        self.loading = partitioned_loading(cfg.engine, cfg.distill, int(cfg.data.batch_size), self.device)
+        model, self.tokenizer = load_model(cfg.model, self.device, partition=self.loading)
         check_seq_len(cfg.data, model)
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = full_shape(model.get_output_embeddings().weight)[0]
         self.keep_set = self._resolve_keep_set(model)
-        self.student = DistillModel(model, self.keep_set, StudentSpec.from_config(cfg.distill, seed=cfg.seed))
+        self.student = DistillModel(model, self.keep_set, StudentSpec.from_config(cfg.distill, seed=cfg.seed),
+                                    recompute=str(cfg.distill.recompute))
         self.counts = self.student.parameter_counts()
-        # Before the engine exists nothing is partitioned; the same digest at the end proves the teacher unchanged.
-        self.frozen_digest = self._frozen_digest() if cfg.distill.check_frozen else None
+        self.single_pass = self._teacher_single_pass()
+        # The same digest at the end proves the teacher unchanged. Unpartitioned it is taken now; partitioned, once
+        # the engine can gather the parameters.
+        self.frozen_digest = (self._frozen_digest() if cfg.distill.check_frozen and self.loading is None else None)
         log.info(
             "trainable parameters: %d of %d (%.3f%%): routers %d, norms %d (%d modules), shared experts %d",
             self.counts["trainable"], self.counts["total"], 100 * self.counts["trainable"] / self.counts["total"],
@@ -149,7 +156,9 @@ class Trainer:
                  self.global_batch, self.world_size, self.grad_accum, self.micro_batch)
 
         # ---- engine (wraps the module; DeepSpeed partitions it here under ZeRO-3)
-        self.engine = build_engine(cfg.engine, cfg.distill, self.student, self.micro_batch, self.device)
+        self.engine = build_engine(cfg.engine, cfg.distill, self.student, self.micro_batch, self.device, self.loading)
+        if self.loading is not None and cfg.distill.check_frozen:
+            self.frozen_digest = self._frozen_digest()
 
         # ---- resume, run folder, logging (rank 0 writes)
         self.checkpoint_root = self.output_dir / "checkpoints"
@@ -240,10 +249,13 @@ class Trainer:
         groups = getattr(text_config(model), "n_group", 1) if adapter.family == "deepseek_v3" else 1
         select_keep(torch.zeros(len(layers), layers[0].num_experts), cfg.prune.ratio, layers[0].top_k,
                     cfg.prune.scope, groups)  # fail on a bad ratio before calibrating
-        fingerprint = model_fingerprint(model, adapter)
+        gather = self.loading.gathered if self.loading else None
+        fingerprint = model_fingerprint(model, adapter, gather=gather)
         prune_cfg = OmegaConf.create({"data": to_container(cfg.calibration), "prune": to_container(cfg.prune),
                                       "progress": bool(cfg.progress)})
-        stats, _, source = compute_or_load_statistics(model, self.tokenizer, prune_cfg, fingerprint)
+        # Partitioned weights: each module gathers its own parameters around its forward (scoring is no-grad).
+        with self.loading.gathered_inference(model) if self.loading else contextlib.nullcontext():
+            stats, _, source = compute_or_load_statistics(model, self.tokenizer, prune_cfg, fingerprint)
         du.barrier()  # rank 0 has written the statistics cache: the next sweep job sees it on every rank
         kept = select_keep(get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio, stats.top_k, cfg.prune.scope,
                            groups)
@@ -307,11 +319,33 @@ class Trainer:
         fractions = [s / len(ids) for (ids, _), s in zip(seqs, splits)]  # whole global step: known on every rank
         return micro, fractions
 
+    def _teacher_single_pass(self) -> bool:
+        """One teacher forward over prefix + continuation, then the cache cropped to the prefix: exact for full
+        attention (a causal forward over prefix + continuation computes the prefix's K/V as the prefix pass does);
+        sliding-window and linear-attention cache layers cannot be cropped back, so they keep the two passes."""
+        wanted = self.cfg.distill.teacher_single_pass
+        kinds = {type(layer).__name__ for layer in DynamicCache(config=text_config(self.student.model)).layers}
+        possible = kinds == {"DynamicLayer"}
+        if wanted and not possible:
+            raise ValueError(f"distill.teacher_single_pass=true needs full-attention KV caches, this model has "
+                             f"{', '.join(sorted(kinds))}; use distill.teacher_single_pass=null")
+        return possible if wanted is None else bool(wanted)
+
     def _forward_pair(self, batch: B.ContinuationBatch):
         """Teacher target logits and student logits [B, L, V] for one micro-batch (student keeps its graph)."""
         P, L = batch.prefix_ids.shape[1], batch.cont_ids.shape[1]
         cache = DynamicCache(config=text_config(self.student.model))
         cont_positions = positions_from_mask(batch.full_mask, P, L)
+        if self.single_pass:
+            with torch.no_grad():
+                teacher_logits = self.engine.forward(
+                    "teacher", input_ids=torch.cat([batch.prefix_ids, batch.cont_ids], dim=1),
+                    attention_mask=batch.full_mask, position_ids=positions_from_mask(batch.full_mask),
+                    past_key_values=cache, logits_to_keep=L)
+            cache.crop(-L)  # back to the prefix: remove the L continuation tokens
+            student_logits = self.engine.forward("student", input_ids=batch.cont_ids, attention_mask=batch.full_mask,
+                                                 position_ids=cont_positions, past_key_values=cache)
+            return teacher_logits, student_logits
         with torch.no_grad():
             # Only the cache is needed from the prefill: skip the [B, P, V] logits (600 MB a row at 2k x 152k bf16).
             self.engine.forward("teacher", input_ids=batch.prefix_ids, attention_mask=batch.prefix_mask,
@@ -542,6 +576,7 @@ class Trainer:
             self.sink.close()
         if self.engine is not None:
             self.engine.close()
+        self.loading = None
         if hasattr(self, "student"):
             self.student.remove_hooks()
         self.engine = self.sink = None

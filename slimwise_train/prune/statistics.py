@@ -21,6 +21,7 @@ Criteria (slimwise_train.prune.criteria) are pure functions of those sums, regis
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -141,7 +142,7 @@ def load_scores(path) -> tuple[ExpertStatistics, dict]:
     return ExpertStatistics.from_tensors(load_file(str(path)), meta), meta
 
 
-def weights_digest(model) -> str:
+def weights_digest(model, gather=None) -> str:
     """sha256 over every parameter and buffer (names, dtypes, shapes, raw bytes) in state-dict order.
 
     Every weight can change the statistics: attention and embeddings shape the hidden states the routers see,
@@ -150,13 +151,15 @@ def weights_digest(model) -> str:
     """
     digest = hashlib.sha256()
     for name, tensor in model.state_dict(keep_vars=True).items():
-        tensor = tensor.detach()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\n".encode())
-        digest.update(tensor.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+        # `gather` (partitioned ZeRO-3 weights): the full tensor, one at a time, in the same order on every rank.
+        with gather([tensor]) if gather is not None else contextlib.nullcontext():
+            data = tensor.detach()
+            digest.update(f"{name}|{data.dtype}|{tuple(data.shape)}\n".encode())
+            digest.update(data.contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
-def model_fingerprint(model, adapter) -> dict:
+def model_fingerprint(model, adapter, gather=None) -> dict:
     """Identity of a model for scores files: family, MoE layout and a hash of all its weights."""
     layers = adapter.moe_layers(model)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -167,14 +170,17 @@ def model_fingerprint(model, adapter) -> dict:
         "num_experts": [m.num_experts for m in layers],
         "top_k": layers[0].top_k,
         "hidden_size": getattr(config, "hidden_size", None),
-        "weights_sha256": weights_digest(model),
+        "weights_sha256": weights_digest(model, gather),
     }
 
 
-def collect_statistics(model, batches: Iterable[dict], progress: bool = True, total: int | None = None) -> ExpertStatistics:
+def collect_statistics(model, batches: Iterable[dict], progress: bool = True, total: int | None = None,
+                       num_forwards: int | None = None) -> ExpertStatistics:
     """Run `model` over `batches` (dicts with input_ids, attention_mask) and accumulate statistics.
 
-    Under torch.distributed each rank should pass its own shard; the result is all-reduced.
+    Under torch.distributed each rank should pass its own shard; the result is all-reduced. `num_forwards`: run at
+    least this many forwards, repeating the last batch with every token masked out of the statistics, so that ranks
+    with one batch fewer still join every collective of a partitioned (ZeRO-3) forward.
     """
     from tqdm.auto import tqdm
 
@@ -187,11 +193,18 @@ def collect_statistics(model, batches: Iterable[dict], progress: bool = True, to
     device = next(model.parameters()).device
     rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     with torch.no_grad(), ExpertStatsRecorder(model, stats.update) as recorder:
+        done, batch = 0, None
         for batch in tqdm(batches, total=total, desc="scoring experts", disable=not (progress and rank0), unit="batch"):
             input_ids = batch["input_ids"].to(device)
             mask = batch["attention_mask"].to(device)
             recorder.token_mask = mask.bool().reshape(-1)
             model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            done += 1
+        while batch is not None and num_forwards is not None and done < num_forwards:
+            recorder.token_mask = torch.zeros_like(batch["attention_mask"], dtype=torch.bool).reshape(-1).to(device)
+            model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                  use_cache=False)
+            done += 1
     stats.all_reduce()
     return stats
 
@@ -251,7 +264,8 @@ def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
              sum(len(e[0]) for e in encoded), world)
     batches = calibration_batches(encoded, cfg.data.batch_size, tokenizer.pad_token_id, rank, world)
     stats = collect_statistics(model, batches, progress=cfg.progress,
-                               total=num_batches(len(encoded), cfg.data.batch_size, rank, world))
+                               total=num_batches(len(encoded), cfg.data.batch_size, rank, world),
+                               num_forwards=num_batches(len(encoded), cfg.data.batch_size, 0, world))
     meta = {
         "model": fingerprint,
         "calibration": {**to_container(cfg.data), "num_sequences": len(encoded),

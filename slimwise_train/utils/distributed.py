@@ -53,6 +53,11 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def full_shape(tensor) -> torch.Size:
+    """The full shape of a parameter, also when ZeRO-3 holds only this rank's partition (then `.shape` is (0,))."""
+    return torch.Size(getattr(tensor, "ds_shape", tensor.shape))
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()
