@@ -74,6 +74,20 @@ def from_pretrained_or_explain(load, path: str, what: str = "model.path", **kwar
                          "copy or export it again") from None
 
 
+def load_config(model_cfg):
+    """The model's (text) config without its weights: for sizes needed before the model loads."""
+    if model_cfg.tiny:
+        from slimwise_train.testing.tiny import tiny_config
+
+        config = tiny_config(model_cfg.tiny, **dict(model_cfg.tiny_overrides or {}))
+    else:
+        from transformers import AutoConfig
+
+        config = from_pretrained_or_explain(AutoConfig.from_pretrained, resolve_path(model_cfg.path),
+                                            revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def load_tokenizer(model_cfg):
     source = resolve_path(model_cfg.tokenizer or model_cfg.path)
     if source is None and model_cfg.tiny:

@@ -8,9 +8,12 @@ noisy shared machine; absolute times are printed too and become meaningful on a 
     python -m slimwise_train.bench loss       # top-k + residual KL vs naive full-vocabulary KL
     python -m slimwise_train.bench decode     # decode step: full vs masked vs pruned pools, batch 1..64
     python -m slimwise_train.bench train      # distillation step vs a naive two-copy step and the lower bound
+    python -m slimwise_train.bench memory     # per-rank memory of the trainer on a saved checkpoint, per engine
+
+`memory` launches torchrun itself (2 ranks) and prints one JSON line per engine, then its targets.
 """
 
-# One module per bench (calib, phase, loss, decode, train: run_<name> and its private helpers), the shared timing,
+# One module per bench (calib, phase, loss, decode, train, memory: run_<name> and its private helpers), the shared timing,
 # model and memory helpers in common, the BENCHES registry and the argument parsing in cli.
 
 from slimwise_train.bench.cli import BENCHES, main

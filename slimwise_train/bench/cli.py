@@ -9,10 +9,13 @@ from slimwise_train.bench.calib import run_calib
 from slimwise_train.bench.common import _model_args
 from slimwise_train.bench.decode import run_decode
 from slimwise_train.bench.loss import run_loss
+from slimwise_train.bench.memory import ENGINES as MEMORY_ENGINES
+from slimwise_train.bench.memory import run_memory
 from slimwise_train.bench.phase import run_phase
 from slimwise_train.bench.train import run_train
 
-BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train}
+BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train,
+           "memory": run_memory}
 
 
 def main(argv=None) -> int:
@@ -54,6 +57,19 @@ def main(argv=None) -> int:
     decode.add_argument("--cache", choices=["static", "dynamic"], default="static",
                         help="KV cache: preallocated and written in place (static, as serving engines do) or HF's "
                              "DynamicCache, which re-copies it on every step")
+    memory = sub.add_parser("memory", help="per-rank memory of the trainer on a saved checkpoint, per engine (2 ranks)")
+    memory.add_argument("--hidden", type=int, default=512)
+    memory.add_argument("--layers", type=int, default=8)
+    memory.add_argument("--experts", type=int, default=32)
+    memory.add_argument("--top-k", type=int, default=4)
+    memory.add_argument("--moe-intermediate", type=int, default=512)
+    memory.add_argument("--vocab", type=int, default=32768)
+    memory.add_argument("--seq-len", type=int, default=256)
+    memory.add_argument("--batch", type=int, default=2)
+    memory.add_argument("--steps", type=int, default=2)
+    memory.add_argument("--nproc", type=int, default=2)
+    memory.add_argument("--engines", default="torch,zero2,zero3,zero3_recompute",
+                        help=f"comma-separated, of {', '.join(MEMORY_ENGINES)}")
     train = sub.add_parser("train", help="distillation step: ours vs naive two-copy step vs lower bound; memory")
     _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
                 repeats=3)

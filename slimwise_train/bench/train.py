@@ -146,6 +146,7 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
         trainer.micro_batch, trainer.grad_accum, trainer.global_batch = args["batch"], 1, args["batch"]
         trainer.tokenizer = SimpleNamespace(pad_token_id=pad)
         trainer.engine = TorchEngine(model, d, device)
+        trainer.single_pass = trainer._teacher_single_pass()  # as setup() decides it (full attention: one pass)
         steps["ours"] = lambda: trainer.train_step(0)
     if "lower_bound" in variants:
         lower_opt = adamw(trainable)

@@ -92,16 +92,24 @@ def build_engine(engine_cfg, distill_cfg, module, micro_batch_size: int, device:
     validate_engine_config(engine_cfg, distill_cfg)
     if engine_cfg.name == "torch":
         return TorchEngine(module, distill_cfg, device)
-    return DeepSpeedZeroEngine(module, engine_cfg, distill_cfg, micro_batch_size, device,
-                               config=loading.config if loading is not None else None)
+    config = loading.config if loading is not None else deepspeed_config(
+        engine_cfg, distill_cfg, micro_batch_size, device, _hidden_size(module))
+    return DeepSpeedZeroEngine(module, engine_cfg, distill_cfg, micro_batch_size, device, config=config)
 
 
-def partitioned_loading(engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device):
+def _hidden_size(module) -> int | None:
+    config = getattr(getattr(module, "model", module), "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "hidden_size", None)
+
+
+def partitioned_loading(engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device,
+                        hidden_size: int | None = None):
     """A `PartitionedLoading` for engine=zero3 with engine.partitioned_load (the default), else None."""
     validate_engine_config(engine_cfg, distill_cfg)
     if engine_cfg.name != "zero3" or not engine_cfg.partitioned_load:
         return None
-    return PartitionedLoading(engine_cfg, distill_cfg, micro_batch_size, device)
+    return PartitionedLoading(engine_cfg, distill_cfg, micro_batch_size, device, hidden_size)
 
 
 def _optimizer_kwargs(distill_cfg) -> dict:
@@ -229,18 +237,27 @@ def _setup_deepspeed(engine_cfg, device: torch.device):
     return deepspeed
 
 
-def deepspeed_config(engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device) -> dict:
-    """The one DeepSpeed config of a run: used to load the model partitioned and to build the engine."""
+def import_backend() -> None:
+    """Import DeepSpeed (for callers that measure the framework's footprint before any engine exists)."""
+    import deepspeed  # noqa: F401
+
+
+def deepspeed_config(engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device,
+                     hidden_size: int | None = None) -> dict:
+    """The one DeepSpeed config of a run: used to load the model partitioned and to build the engine. Unset ZeRO-3
+    bucket sizes follow the model's hidden size (transformers' "auto" rule)."""
     stage = ZERO_STAGE[engine_cfg.name]
     precision = resolve_precision(engine_cfg, device)
     zero: dict = {"stage": stage}
     if engine_cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
     if stage == 3:
+        hidden = int(hidden_size or 4096)
+        prefetch, persistence = engine_cfg.prefetch_bucket_size, engine_cfg.param_persistence_threshold
         zero.update({
             "stage3_max_live_parameters": int(engine_cfg.max_live_parameters),
-            "stage3_prefetch_bucket_size": int(engine_cfg.prefetch_bucket_size),
-            "stage3_param_persistence_threshold": int(engine_cfg.param_persistence_threshold),
+            "stage3_prefetch_bucket_size": int(prefetch if prefetch is not None else 0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": int(persistence if persistence is not None else 10 * hidden),
         })
         if engine_cfg.offload_params:
             zero["offload_param"] = {"device": "cpu", "pin_memory": device.type == "cuda"}
@@ -277,9 +294,10 @@ class PartitionedLoading:
     that reads values before the engine exists (the weight fingerprint, expert scoring).
     """
 
-    def __init__(self, engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device):
+    def __init__(self, engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device,
+                 hidden_size: int | None = None):
         self.deepspeed = _setup_deepspeed(engine_cfg, device)
-        self.config = deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device)
+        self.config = deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device, hidden_size)
 
     @contextlib.contextmanager
     def from_pretrained(self):
@@ -357,7 +375,7 @@ class DeepSpeedZeroEngine:
         self.module = module
         names = module.trainable_named_parameters()
         self.trainable_names = [n for n, _ in names]
-        config = config or deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device)
+        config = config or deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device, _hidden_size(module))
         schedule = lr_lambda(int(distill_cfg.warmup_steps), int(distill_cfg.max_steps), float(distill_cfg.min_lr_ratio))
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,

@@ -116,7 +116,12 @@ class Trainer:
 
         # ---- model, keep set, the one student/teacher module
         # engine=zero3: the DeepSpeed config exists before the model, which loads partitioned (no rank holds it whole)
-        self.loading = partitioned_loading(cfg.engine, cfg.distill, int(cfg.data.batch_size), self.device)
+        self.loading = None
+        if cfg.engine.name == "zero3":
+            from slimwise_train.models import load_config
+
+            self.loading = partitioned_loading(cfg.engine, cfg.distill, int(cfg.data.batch_size), self.device,
+                                               load_config(cfg.model).hidden_size)
         model, self.tokenizer = load_model(cfg.model, self.device, partition=self.loading)
         check_seq_len(cfg.data, model)
         self.vocab_size = full_shape(model.get_output_embeddings().weight)[0]
