@@ -103,14 +103,15 @@ def load_tokenizer(model_cfg):
     return tokenizer
 
 
-def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, partition=None):
+def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, partition=None,
+               dtype: torch.dtype | None = None):
     """(model in eval mode on `device`, tokenizer). Raises a clear error for a dense or unsupported model.
 
     `partition` (the trainer's ZeRO-3 partitioned loading): from_pretrained runs in its `from_pretrained()` context
     (transformers' DeepSpeed-aware path builds the model partitioned); a tiny random model is built whole and handed
     to its `partition(model)`. Without it a checkpoint loads straight onto `device` (on a GPU no host copy first)."""
     device = resolve_device(device) if isinstance(device, str) else device
-    dtype = resolve_dtype(model_cfg.dtype, device)
+    dtype = dtype or resolve_dtype(model_cfg.dtype, device)
     if model_cfg.tiny and model_cfg.path:
         raise ValueError(f"the model preset sets both model.path ({model_cfg.path}) and model.tiny ({model_cfg.tiny}); "
                          "keep one (a tiny preset writes tiny as ${tiny_unless_path:<type>,${.path}})")

@@ -180,3 +180,23 @@ def test_every_family_loads_partitioned_and_its_step0_student_equals_the_replica
         assert r["partitioned"], family
         assert r["held"] <= r["full"] / 2 + 1024, family  # half of every tensor (+ alignment padding)
         assert r["max_diff"] <= 1e-6, (family, r["max_diff"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["moe", "layer"])
+def test_recompute_on_cuda_bf16_gives_the_gradients_of_no_recompute(mode):
+    """The GPU tier: the same check in bf16 on CUDA (recompute re-runs the same kernels; 1e-3 relative allows for
+    a different cuBLAS algorithm choice between the forward and the recompute)."""
+    def grads(recompute):
+        student = _student("qwen3_moe", recompute).to("cuda", torch.bfloat16)
+        ids = torch.randint(3, 96, (2, 12), generator=torch.Generator().manual_seed(2)).cuda()
+        with torch.no_grad():
+            _, cache = prefill(student.model, ids[:, :7])
+        logits = student(ids[:, 7:], past_key_values=cache,
+                         position_ids=torch.arange(7, 12, device="cuda").expand(2, -1), phase="student")
+        logits.float().square().mean().backward()
+        return {n: p.grad.float() for n, p in student.trainable_named_parameters()}
+
+    reference, got = grads("none"), grads(mode)
+    for name, grad in got.items():
+        assert (grad - reference[name]).norm() / reference[name].norm().clamp(min=1e-12) <= 1e-3, name

@@ -274,8 +274,10 @@ def test_auto_with_hf_generate_masks_exactly_the_decode_steps(masked_model):
     model, masking, _ = masked_model
     prompt = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(2))
     seen = []
-    hook = model.register_forward_pre_hook(lambda m, a, k: seen.append((k["input_ids"].shape[1], masking.masking_active))
-                                           , with_kwargs=True)
+    def record(module, args, kwargs):
+        seen.append((kwargs["input_ids"].shape[1], masking.masking_active))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
     masking.set_phase("auto")
     try:
         model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)

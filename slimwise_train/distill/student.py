@@ -199,8 +199,8 @@ class _Recompute:
                 return original.__call__(self_, *args, **kwargs)
             return recompute.checkpointed(original.__call__, self_, args, kwargs, cache_index, recompute_context)
 
-        module.__class__ = type(original.__name__, (original,), {"__call__": __call__, "__module__": original.__module__,
-                                                                 "_slimwise_recompute_base": original})
+        namespace = {"__call__": __call__, "__module__": original.__module__, "_slimwise_recompute_base": original}
+        module.__class__ = type(original.__name__, (original,), namespace)
 
     @staticmethod
     def checkpointed(call, module, args, kwargs, cache_index, recompute_context):

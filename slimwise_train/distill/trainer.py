@@ -563,10 +563,12 @@ class Trainer:
         path = save_trainable(self.output_dir / "student_trainable.safetensors", trainable, self.keep_set, spec,
                               self.student.model.config.model_type, extra={"steps": self.step})
         if self.cfg.engine.name == "zero3":
-            # The live module is partitioned: rebuild the student on a fresh teacher from the small file.
-            from slimwise_train.models import load_model
+            # The live module is partitioned: rebuild the student on a fresh teacher from the small file, on the host
+            # in the run's dtype (bf16 on GPU), not fp32 (a layer-at-a-time gathered export is not done yet).
+            from slimwise_train.models import load_model, resolve_dtype
 
-            teacher, _ = load_model(self.cfg.model, "cpu", tokenizer=self.tokenizer)
+            teacher, _ = load_model(self.cfg.model, "cpu", tokenizer=self.tokenizer,
+                                    dtype=resolve_dtype(self.cfg.model.dtype, self.device))
             student = load_student(teacher, path)
         else:
             student = self.student
