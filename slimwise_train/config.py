@@ -35,6 +35,8 @@ class ModelConfig:
     revision: Optional[str] = None
     trust_remote_code: bool = False
     experts_implementation: Optional[str] = None  # transformers backend: grouped_mm, eager, batched_mm, ...
+    # prune / eval only: `auto` spreads one model over the node's GPUs (accelerate), for a model bigger than a GPU.
+    device_map: Optional[str] = None
     seed: int = 0
 
 

@@ -112,6 +112,8 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, p
     to its `partition(model)`. Without it a checkpoint loads straight onto `device` (on a GPU no host copy first)."""
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
+    if getattr(model_cfg, "device_map", None) and model_cfg.tiny:
+        raise ValueError("model.device_map needs a checkpoint (model.path); tiny random models are built on one device")
     if model_cfg.tiny and model_cfg.path:
         raise ValueError(f"the model preset sets both model.path ({model_cfg.path}) and model.tiny ({model_cfg.tiny}); "
                          "keep one (a tiny preset writes tiny as ${tiny_unless_path:<type>,${.path}})")
@@ -129,7 +131,11 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, p
     else:
         if not model_cfg.path:
             raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
-        placement = {} if partition is not None or device.type == "cpu" else {"device_map": {"": device}}
+        if getattr(model_cfg, "device_map", None) and partition is not None:
+            raise ValueError("model.device_map spreads one model over GPUs for prune/eval; training partitions it with "
+                             "engine=zero3 instead: drop model.device_map")
+        placement = ({"device_map": model_cfg.device_map} if getattr(model_cfg, "device_map", None)
+                     else {} if partition is not None or device.type == "cpu" else {"device_map": {"": device}})
         with partition.from_pretrained() if partition is not None else contextlib.nullcontext():
             model = from_pretrained_or_explain(
                 AutoModelForCausalLM.from_pretrained, resolve_path(model_cfg.path), dtype=dtype,
@@ -142,8 +148,8 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, p
             f"tokenizer has {len(tokenizer)} tokens but the model's embedding has "
             f"{model.get_input_embeddings().num_embeddings}; model.tokenizer points at the wrong tokenizer"
         )
-    if any(hasattr(p, "ds_id") for p in model.parameters()):  # partitioned: DeepSpeed placed the partitions
-        return model.eval(), tokenizer
+    if any(hasattr(p, "ds_id") for p in model.parameters()) or getattr(model_cfg, "device_map", None):
+        return model.eval(), tokenizer  # placed already: DeepSpeed's partitions, or accelerate's device map
     return model.to(device).eval(), tokenizer
 
 

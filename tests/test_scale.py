@@ -200,3 +200,42 @@ def test_recompute_on_cuda_bf16_gives_the_gradients_of_no_recompute(mode):
     reference, got = grads("none"), grads(mode)
     for name, grad in got.items():
         assert (grad - reference[name]).norm() / reference[name].norm().clamp(min=1e-12) <= 1e-3, name
+
+
+def test_device_map_auto_loads_one_model_for_prune_and_is_refused_for_training(tmp_path, monkeypatch):
+    """model.device_map=auto spreads a checkpoint over the node's GPUs through accelerate (here: all on the CPU)."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.config import ModelConfig
+    from slimwise_train.models import SHIPPED_TOKENIZER, load_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER))
+    tiny_model("qwen3_moe", vocab_size=len(tokenizer)).save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    import slimwise_train.models as models
+
+    seen = {}
+    real = models.AutoModelForCausalLM.from_pretrained
+
+    def spy(path, **kwargs):
+        seen.update(kwargs)
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", spy)
+    model, _ = load_model(ModelConfig(name="x", path=str(tmp_path / "ckpt"), dtype="float32", device_map="auto"),
+                          "cpu")
+    assert seen["device_map"] == "auto" and next(model.parameters()).device.type == "cpu"
+    with pytest.raises(ValueError, match="model.device_map is for prune/eval"):
+        _trainer(tmp_path / "run", f"model.path={tmp_path / 'ckpt'}", "+model.device_map=auto")
+
+
+def test_calibration_computes_one_position_of_logits():
+    from slimwise_train.prune.statistics import collect_statistics
+
+    model = tiny_model("qwen3_moe")
+    shapes = []
+    hook = model.lm_head.register_forward_hook(lambda m, a, o: shapes.append(tuple(o.shape)))
+    batch = {"input_ids": torch.randint(3, 96, (2, 9)), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
+    collect_statistics(model, [batch], progress=False)
+    hook.remove()
+    assert shapes == [(2, 1, 96)]  # not [2, 9, 96]: scoring needs the routers only

@@ -54,6 +54,9 @@ class NonFiniteLossError(RuntimeError):
 
 def validate_train_config(cfg) -> None:
     check_known_keys(cfg, TrainAppConfig)
+    if cfg.model.get("device_map"):
+        raise ValueError("model.device_map is for prune/eval (one model over a node's GPUs); training partitions the "
+                         "model with engine=zero3: drop model.device_map")
     d = cfg.distill
     if d.kl_loss not in KL_LOSSES:
         raise ValueError(f"unknown distill.kl_loss {d.kl_loss!r}; use one of {', '.join(KL_LOSSES)}")

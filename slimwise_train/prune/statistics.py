@@ -198,12 +198,13 @@ def collect_statistics(model, batches: Iterable[dict], progress: bool = True, to
             input_ids = batch["input_ids"].to(device)
             mask = batch["attention_mask"].to(device)
             recorder.token_mask = mask.bool().reshape(-1)
-            model(input_ids=input_ids, attention_mask=mask, use_cache=False)
+            # Scoring needs the routers, not the vocabulary: one position of logits instead of [B, S, V].
+            model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
             done += 1
         while batch is not None and num_forwards is not None and done < num_forwards:
             recorder.token_mask = torch.zeros_like(batch["attention_mask"], dtype=torch.bool).reshape(-1).to(device)
             model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                  use_cache=False)
+                  use_cache=False, logits_to_keep=1)
             done += 1
     stats.all_reduce()
     return stats
