@@ -270,3 +270,17 @@ def test_every_family_export_loads_with_trust_remote_code_and_no_project_import(
         assert remote["class"].startswith("Slimwise"), name
         assert "trust_remote_code" in remote["refused"], (name, remote["refused"][:300])
         assert torch.equal(remote["logits"], expected[name]), name
+
+
+def test_in_place_export_equals_the_copying_one(tmp_path):
+    """A student rebuilt only to be exported (the ZeRO-3 path) folds into its own weights: same checkpoint."""
+    from safetensors.torch import load_file
+
+    folders = {}
+    for in_place in (False, True):
+        model = tiny_model("qwen3_moe")
+        student = DistillModel(model, _keep(model))
+        _perturb(student)
+        folders[in_place] = export_student(student, tmp_path / str(in_place), in_place=in_place)
+    copied, folded = (load_file(str(folders[k] / "model.safetensors")) for k in (False, True))
+    assert copied.keys() == folded.keys() and all(torch.equal(copied[k], folded[k]) for k in copied)

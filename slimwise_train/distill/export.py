@@ -239,10 +239,12 @@ def _strip_hooks(model: torch.nn.Module, handle_ids: set[int]) -> None:
                 del hooks[key]
 
 
-def folded_decoder(student: DistillModel) -> torch.nn.Module:
+def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Module:
     """A copy of the student as one plain model: deltas folded into the routers and norms (W + dW, w + dw),
     shared experts kept as children, removed experts sliced out. The student is left untouched."""
-    model = copy.deepcopy(student.model)
+    # in_place: the student was built only to be exported (a ZeRO-3 run rebuilds it on a fresh teacher): fold into
+    # its own model instead of a second copy of every weight.
+    model = student.model if in_place else copy.deepcopy(student.model)
     _strip_hooks(model, {h.id for h in student._handles})
     for module in model.modules():  # a copy of a recomputed module is a plain module again
         base = getattr(type(module), "_slimwise_recompute_base", None)
@@ -269,9 +271,10 @@ def folded_decoder(student: DistillModel) -> torch.nn.Module:
     return model
 
 
-def export_student(student: DistillModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = True) -> Path:
+def export_student(student: DistillModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = True,
+                   in_place: bool = False) -> Path:
     """Write the distilled decoder as an HF checkpoint (see module docstring); returns the folder."""
-    model = folded_decoder(student)
+    model = folded_decoder(student, in_place=in_place)
     config = text_config(model)
     base_model_type = config.model_type
     shared = student.spec.train_shared_expert

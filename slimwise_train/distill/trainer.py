@@ -575,7 +575,8 @@ class Trainer:
             student = load_student(teacher, path)
         else:
             student = self.student
-        export_student(student, self.output_dir / "export", tokenizer=self.tokenizer, overwrite=True)
+        export_student(student, self.output_dir / "export", tokenizer=self.tokenizer, overwrite=True,
+                       in_place=student is not self.student)  # a rebuilt student: no second copy of the weights
         log.info("exported the distilled decoder to %s", self.output_dir / "export")
 
     def close(self) -> None:
