@@ -184,3 +184,27 @@ def test_cli_error_for_a_missing_model_folder(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("slimwise_train.prune: error: model.path=") and "no such folder" in lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+# --------------------------------------------------------------------------- 14. progress on long steps
+
+
+def test_training_shows_a_step_progress_bar(tmp_path, capsys):
+    trainer = trainer_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2", "progress=true")
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    err = capsys.readouterr().err
+    assert "distill" in err and "2/2" in err
+
+
+def test_scoring_shows_a_progress_bar(tmp_path, capsys):
+    from slimwise_train.prune.app import run_prune
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("prune", overrides=[f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
+                                          "progress=true", "data.num_samples=48", "data.batch_size=16"])
+    run_prune(cfg)
+    assert "scoring experts" in capsys.readouterr().err
