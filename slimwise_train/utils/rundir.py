@@ -134,7 +134,7 @@ def claim_output_dir(folder: str | os.PathLike) -> Iterator[Path]:
 def die_with_launcher() -> None:
     """Under torchrun, have the kernel kill this rank when its launcher dies (Linux PR_SET_PDEATHSIG), so killing
     the torchrun parent never leaves ranks running as orphans that keep writing the output folder."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # set by torchrun's agent for its workers only
         return
     if not sys.platform.startswith("linux"):
         return
