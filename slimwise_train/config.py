@@ -38,6 +38,9 @@ class ModelConfig:
     # prune / eval only: `auto` spreads one model over the node's GPUs (accelerate), for a model bigger than a GPU.
     device_map: Optional[str] = None
     seed: int = 0
+    # The model's config.json shipped in the package (slimwise_train/assets/configs/<preset>.json): what
+    # `python -m slimwise_train.plan` builds on the meta device, offline. Real presets set it; null elsewhere.
+    architecture: Optional[str] = None
 
 
 @dataclass
@@ -142,6 +145,7 @@ class LoggerConfig:
     project: str = "slimwise"
     entity: Optional[str] = None
     run_name: Optional[str] = None
+    group: Optional[str] = None  # W&B group; logger=wandb: ${sweep_group:} (the multirun's sweep, none in a single run)
     mode: str = "auto"  # auto: online with WANDB_API_KEY, else offline | online | offline | disabled
     tags: list = field(default_factory=list)
 
@@ -201,6 +205,27 @@ class EvalAppConfig:
     progress: bool = True
 
 
+@dataclass
+class PlanAppConfig:
+    """`python -m slimwise_train.plan`: per-GPU memory of a distillation run, planned from the architecture alone."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = field(default_factory=DataConfig)  # seq_len and batch_size (the micro batch per rank)
+    prune: PruneConfig = field(default_factory=PruneConfig)  # ratio: the keep set (uniform) of the student
+    distill: DistillConfig = field(default_factory=DistillConfig)  # recompute, chunk_size, top_k, min_split, student
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    world_size: int = 8  # ranks (GPUs) the run is spread over
+    gpu_memory_gib: float = 80.0  # memory per GPU the plan must fit in
+    device: str = "cuda"  # cuda: bf16 on GPUs | cpu: fp32, to compare with `python -m slimwise_train.bench memory`
+    # The micro-batch's prefix and continuation widths; null: the split rule's worst case (a min_split-token prefix,
+    # data.seq_len - min_split continuation tokens).
+    prefix_tokens: Optional[int] = None
+    continuation_tokens: Optional[int] = None
+    # The framework's baseline per rank in MiB; null: the calibrated default (CPU: the bench's B; GPU: an estimate).
+    baseline_mib: Optional[float] = None
+    json_only: bool = False  # print only the JSON line
+
+
 def model_name_from(path: Optional[str], fallback: str) -> str:
     """`${model_name:${.path},<fallback>}`: the checkpoint's folder or hub name when a path is given."""
     if path in (None, "", "None", "null"):
@@ -214,10 +239,24 @@ def tiny_unless_path(model_type: str, path: Optional[str]) -> Optional[str]:
     return None if path not in (None, "", "None", "null") else model_type
 
 
+def sweep_group() -> Optional[str]:
+    """`${sweep_group:}`: in a Hydra multirun (local or submitit/SLURM jobs alike), the sweep folder's last two parts
+    (`train/tiny_qwen3_moe` for outputs/train/tiny_qwen3_moe), the same for every job; None in a single run or a
+    config composed outside an app."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    path = Path(str(HydraConfig.get().sweep.dir))
+    return "/".join(part for part in path.parts[-2:] if part != path.anchor) or None
+
+
 def register_resolvers() -> None:
     from omegaconf import OmegaConf
 
-    for name, fn in (("model_name", model_name_from), ("tiny_unless_path", tiny_unless_path)):
+    for name, fn in (("model_name", model_name_from), ("tiny_unless_path", tiny_unless_path),
+                     ("sweep_group", sweep_group)):
         if not OmegaConf.has_resolver(name):
             OmegaConf.register_new_resolver(name, fn)
 
@@ -228,6 +267,7 @@ def register_configs() -> None:
     cs.store(name="prune_app_schema", node=PruneAppConfig)
     cs.store(name="train_app_schema", node=TrainAppConfig)
     cs.store(name="eval_app_schema", node=EvalAppConfig)
+    cs.store(name="plan_app_schema", node=PlanAppConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="prune", name="prune_schema", node=PruneConfig)

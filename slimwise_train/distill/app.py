@@ -3,11 +3,13 @@
     python -m slimwise_train                                   # tiny Qwen3-MoE, engine=torch, < 1 min on CPU
     torchrun --nproc_per_node 2 -m slimwise_train engine=zero2
     torchrun --nproc_per_node 2 -m slimwise_train --multirun prune.ratio=0.25,0.5
+    python -m slimwise_train --multirun hydra/launcher=slurm prune.ratio=0.25,0.5,0.75   # SLURM, docs/cluster.md
     python -m slimwise_train experiment=tiny_zero3_wandb
 
 The config is conf/train.yaml (schema: slimwise_train.config.TrainAppConfig); the trainer is
 slimwise_train.distill.trainer. The process group is created once per process (multirun jobs share it) and
-destroyed by __main__ after the last job; output folders are fixed per job so every rank agrees on them.
+destroyed by __main__ after the last job (in a submitit task, which runs one job, at the end of that job);
+output folders are fixed per job so every rank agrees on them.
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ def main(cfg: DictConfig) -> None:
     from slimwise_train.distill.trainer import NonFiniteLossError, run_train
 
     die_with_launcher()
-    du.init_if_launched(cfg.engine.backend)
-    _quiet_other_ranks()
-    try:
-        with user_errors("slimwise_train"):
-            run_train(cfg)
-    except NonFiniteLossError as exc:
-        print(f"slimwise_train: error: {exc}", file=sys.stderr)
-        raise SystemExit(3) from None
+    with du.job_process_group(cfg.engine.backend):  # torchrun, or a submitit / srun task (docs/cluster.md)
+        _quiet_other_ranks()
+        try:
+            with user_errors("slimwise_train"):
+                run_train(cfg)
+        except NonFiniteLossError as exc:
+            print(f"slimwise_train: error: {exc}", file=sys.stderr)
+            raise SystemExit(3) from None

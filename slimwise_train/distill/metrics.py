@@ -1,6 +1,10 @@
 """Metric sinks, rank 0 only: logger=none (metrics.jsonl in the run folder) and logger=wandb (the same file, plus a
 W&B run; offline when there is no WANDB_API_KEY, so it also works without network). Other ranks get a no-op sink.
 
+The W&B run takes its name and group from the logger config (`logger.run_name`, default `<criterion>-r<ratio>` in
+conf/train.yaml; `logger.group`, default the Hydra sweep in a multirun, see `slimwise_train.config.sweep_group`), so
+the trainer needs no Hydra; its id is derived from the run folder, so a resumed run continues the same W&B run.
+
 Named metrics.py, not logging.py, so it does not shadow the standard library inside the package.
 """
 
@@ -75,6 +79,8 @@ class WandbSink(JsonlSink):
             project=logger_cfg.project,
             entity=logger_cfg.entity,
             name=logger_cfg.run_name,
+            group=logger_cfg.get("group"),
+            job_type="train",
             tags=list(logger_cfg.tags or []),
             dir=str(output_dir),
             mode=mode,
@@ -82,7 +88,8 @@ class WandbSink(JsonlSink):
             resume="allow",
             id=_run_id(output_dir),
         )
-        log.info("wandb: mode=%s dir=%s", mode, output_dir)
+        log.info("wandb: mode=%s group=%s name=%s dir=%s", mode, logger_cfg.get("group"), logger_cfg.run_name,
+                 output_dir)
 
     def log(self, step, metrics, histograms=None):
         super().log(step, metrics, histograms)

@@ -90,6 +90,7 @@ class Trainer:
         self.nan_streak = 0
         self.nan_skipped = 0
         self.tokens_seen = 0
+        self.last_eval: dict | None = None  # the latest held-out loss (eval/loss, eval/ce, eval/kl, eval/tokens)
         self.engine = None
         self.sink = None
         self.lock = None
@@ -111,7 +112,7 @@ class Trainer:
             clean_stale_temporaries(self.output_dir)
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
-            self.device = torch.device("cuda", du.local_rank())
+            self.device = torch.device("cuda", du.cuda_index())
         elif cfg.cpu_threads:
             torch.set_num_threads(int(cfg.cpu_threads))
         torch.manual_seed(cfg.seed)
@@ -493,10 +494,11 @@ class Trainer:
                                   "trainable_share": self.counts["trainable"] / self.counts["total"],
                                   "num_too_short": self.num_too_short})
         if self.step == 0:
-            self.sink.log(0, self.evaluate())  # the untrained student = the masked model
+            self._log_eval()  # the untrained student = the masked model
         t_train = time.perf_counter()
         first_step = self.step
         history: list[dict] = []
+        step_seconds: list[float] = []  # completed (not skipped) steps of this run
         window_fractions: list[float] = []
         bar = tqdm(total=max_steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
                    disable=not (cfg.progress and du.is_rank0()))
@@ -507,6 +509,8 @@ class Trainer:
             if "loss" in metrics:
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
             window_fractions += metrics.pop("_split_fractions", [])
+            if "step_seconds" in metrics:
+                step_seconds.append(metrics["step_seconds"])
             history.append({"step": self.step, **{k: v for k, v in metrics.items() if k in ("loss", "kl", "ce")}})
             if self.step % int(d.log_every) == 0 or self.step == max_steps or self.step == first_step + 1:
                 self.sink.log(self.step, metrics, {"split_fraction": window_fractions})
@@ -516,7 +520,7 @@ class Trainer:
                              max_steps, metrics["loss"], metrics["ce"], metrics["kl"], metrics["grad_norm"],
                              metrics["lr"], metrics["student_pad_share"], metrics["cont_tokens_per_s"])
             if self.step % int(d.eval_every) == 0 or self.step == max_steps:
-                self.sink.log(self.step, self.evaluate())
+                self._log_eval()
             if self.step % int(d.save_every) == 0 or self.step == max_steps:
                 kill_in_save = extra.get("kill_in_checkpoint_at_step")
                 hook = _kill_self if kill_in_save == self.step else None
@@ -526,9 +530,15 @@ class Trainer:
                 _kill_self()
         bar.close()
         train_seconds = time.perf_counter() - t_train
-        return self._finish(history, train_seconds, first_step)
+        return self._finish(history, train_seconds, first_step, step_seconds)
 
-    def _finish(self, history, train_seconds: float, first_step: int) -> dict:
+    def _log_eval(self) -> None:
+        self.last_eval = self.evaluate()
+        self.sink.log(self.step, self.last_eval)
+
+    def _finish(self, history, train_seconds: float, first_step: int, step_seconds: list[float]) -> dict:
+        if self.last_eval is None:  # resumed from the final checkpoint: no step ran, so measure the end state once
+            self.last_eval = self.evaluate()
         trainable = self.engine.trainable_state_dict()
         frozen_now = self._frozen_digest() if self.frozen_digest is not None else None
         summary = {
@@ -544,6 +554,9 @@ class Trainer:
             "num_too_short": self.num_too_short,
             "nan_skipped": self.nan_skipped,
             "tokens_seen": self.tokens_seen,
+            "step_seconds_mean": sum(step_seconds) / len(step_seconds) if step_seconds else None,
+            # The held-out loss at the end (the last evaluation: at max_steps), for sweep dashboards and summary.json
+            **self.last_eval,
             "frozen_unchanged": None if frozen_now is None else frozen_now == self.frozen_digest,
             "trainable_digest": _digest(sorted(trainable.items())),
             # Every rank's own copy of the trainable tensors (gathered under ZeRO-3): they must all agree.

@@ -95,14 +95,18 @@ def wandb_mode(logger_cfg) -> str:
 def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
     import wandb
 
-    from slimwise_train.eval.report import wandb_rows
+    from slimwise_train.eval.report import wandb_rows, wandb_summary
 
-    run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, name=cfg.logger.get("run_name"),
+    # One keep set: the run is named after it (reap-r0.5, like its training run); logger.group joins a train sweep.
+    keep_sets = list(results["keep_sets"])
+    run = wandb.init(project=cfg.logger.project, entity=cfg.logger.entity, group=cfg.logger.get("group"),
+                     name=cfg.logger.get("run_name") or (keep_sets[0] if len(keep_sets) == 1 else None),
                      mode=wandb_mode(cfg.logger),
                      tags=list(cfg.logger.tags), job_type="eval", dir=str(cfg.output_dir), config=to_container(cfg))
     columns, data = wandb_rows(results)
     payload = {"eval/results": wandb.Table(columns=columns, data=data)}
     payload.update({f"eval/lengths_{name}": wandb.Image(str(path)) for name, path in images.items()})
+    payload.update(wandb_summary(results))  # accuracy / median / p90 length per mode: panels and the run summary
     run.log(payload)
     run.finish()
 
@@ -172,7 +176,6 @@ register_configs()
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base=None)
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
-    du.init_if_launched()
-    with user_errors("slimwise_train.eval"):
+    with du.job_process_group(), user_errors("slimwise_train.eval"):
         run_eval(cfg)
 

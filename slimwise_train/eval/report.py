@@ -124,6 +124,25 @@ def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
     plt.close(fig)
 
 
+SUMMARY_METRICS = ("accuracy", "median_length", "p90_length", "hit_budget")
+
+
+def wandb_summary(results: dict) -> dict:
+    """Scalars for the W&B run summary: `<metric>/<mode>` over all families and `<metric>/<mode>/<family>`, for
+    accuracy, median / p90 length and the share hitting the budget. With one keep set per eval run (the run named
+    after it) the keys are the same in every run of a sweep, so one panel compares the sweep's ratios; with several
+    keep sets in one run the pruned modes read `<metric>/<keep set>/<mode>[/<family>]`."""
+    several = len(results["keep_sets"]) > 1
+    scalars = {}
+    for row in results["rows"]:
+        name = f"{row['keep_set']}/{row['mode']}" if several and row["keep_set"] is not None else row["mode"]
+        suffix = "" if row["family"] == "all" else f"/{row['family']}"
+        for metric in SUMMARY_METRICS:
+            if row.get(metric) is not None:
+                scalars[f"{metric}/{name}{suffix}"] = row[metric]
+    return scalars
+
+
 def wandb_rows(results: dict) -> tuple[list[str], list[list]]:
     columns = list(ROW_COLUMNS)
     data = [[("-" if r["keep_set"] is None else r["keep_set"]) if c == "keep_set" else r[c] for c in columns]

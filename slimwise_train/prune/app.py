@@ -116,7 +116,6 @@ register_configs()
 @hydra.main(config_path=CONF_DIR, config_name="prune", version_base=None)
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
-    du.init_if_launched()
-    with user_errors("slimwise_train.prune"):
+    with du.job_process_group(), user_errors("slimwise_train.prune"):
         run_prune(cfg)
 
