@@ -25,6 +25,9 @@ ALLOWED: dict[str, set[str]] = {
     "distill": _SHARED | {"prune"},
     "eval": _SHARED | {"prune", "distill"},
     "bench": _SHARED | {"prune", "distill", "eval"},
+    # the memory planner: reads the student (distill) and the keep-set rule (prune); bench_compare runs the bench's
+    # memory child to check the plan against measurement
+    "plan": _SHARED | {"prune", "distill", "bench"},
     "__main__": {"distill", "utils"},
     "__init__": set(),
 }
