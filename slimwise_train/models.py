@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimwise_train.moe.adapters import get_adapter
+from slimwise_train.utils.distributed import is_partitioned
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer"
@@ -57,7 +58,7 @@ def from_pretrained_or_explain(load, path: str, what: str = "model.path", **kwar
         raise ValueError(f"{what}={path}: no such folder; point it at a checkpoint folder or a hub id (owner/name)")
     try:
         return load(path, **kwargs)
-    except (OSError, ValueError, RuntimeError, EnvironmentError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         if isinstance(exc, ValueError) and "supported MoE" in str(exc):
             raise
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
@@ -112,7 +113,8 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, p
     to its `partition(model)`. Without it a checkpoint loads straight onto `device` (on a GPU no host copy first)."""
     device = resolve_device(device) if isinstance(device, str) else device
     dtype = dtype or resolve_dtype(model_cfg.dtype, device)
-    if getattr(model_cfg, "device_map", None) and model_cfg.tiny:
+    device_map = getattr(model_cfg, "device_map", None)  # absent from configs saved before it existed
+    if device_map and model_cfg.tiny:
         raise ValueError("model.device_map needs a checkpoint (model.path); tiny random models are built on one device")
     if model_cfg.tiny and model_cfg.path:
         raise ValueError(f"the model preset sets both model.path ({model_cfg.path}) and model.tiny ({model_cfg.tiny}); "
@@ -131,10 +133,10 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, p
     else:
         if not model_cfg.path:
             raise ValueError("model config needs model.path (hub id or folder) or model.tiny (a model_type)")
-        if getattr(model_cfg, "device_map", None) and partition is not None:
+        if device_map and partition is not None:
             raise ValueError("model.device_map spreads one model over GPUs for prune/eval; training partitions it with "
                              "engine=zero3 instead: drop model.device_map")
-        placement = ({"device_map": model_cfg.device_map} if getattr(model_cfg, "device_map", None)
+        placement = ({"device_map": device_map} if device_map
                      else {} if partition is not None or device.type == "cpu" else {"device_map": {"": device}})
         with partition.from_pretrained() if partition is not None else contextlib.nullcontext():
             model = from_pretrained_or_explain(
@@ -148,7 +150,7 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, p
             f"tokenizer has {len(tokenizer)} tokens but the model's embedding has "
             f"{model.get_input_embeddings().num_embeddings}; model.tokenizer points at the wrong tokenizer"
         )
-    if any(hasattr(p, "ds_id") for p in model.parameters()) or getattr(model_cfg, "device_map", None):
+    if device_map or any(is_partitioned(p) for p in model.parameters()):
         return model.eval(), tokenizer  # placed already: DeepSpeed's partitions, or accelerate's device map
     return model.to(device).eval(), tokenizer
 

@@ -90,7 +90,7 @@ def run_memory(args) -> dict:
         report = out_root / f"{name}.json"
         report.unlink(missing_ok=True)
         overrides = [f"model.path={folder}", f"prune.keep_set={keep_path}", *ENGINES[name],
-                     f"hydra.run.dir={out_root / name}", "resume=never", "logger=none", "progress=false",
+                     f"output_dir={out_root / name}", "resume=never", "logger=none", "progress=false",
                      "data.source=synthetic", "data.num_samples=64", f"data.seq_len={args.seq_len}",
                      f"data.batch_size={args.batch}", f"distill.max_steps={args.steps}", "distill.eval_every=100000",
                      "distill.save_every=100000", "distill.eval_batches=1", "distill.eval_samples=8",
@@ -196,8 +196,7 @@ def _child(report: str, overrides: list[str]) -> None:
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("train", overrides=[o for o in overrides if not o.startswith("hydra.")] + [
-            f"output_dir={[o for o in overrides if o.startswith('hydra.run.dir=')][0].split('=', 1)[1]}"])
+        cfg = compose("train", overrides=overrides)
     trainer = trainer_module.Trainer(cfg)
     try:
         trainer.setup()

@@ -36,6 +36,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.distributed import is_partitioned
 
 ENGINES = ("torch", "zero1", "zero2", "zero3")
 ZERO_STAGE = {"torch": 0, "zero1": 1, "zero2": 2, "zero3": 3}
@@ -97,10 +98,10 @@ def build_engine(engine_cfg, distill_cfg, module, micro_batch_size: int, device:
     return DeepSpeedZeroEngine(module, engine_cfg, distill_cfg, micro_batch_size, device, config=config)
 
 
-def _hidden_size(module) -> int | None:
-    config = getattr(getattr(module, "model", module), "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(config, "hidden_size", None)
+def _hidden_size(module) -> int:
+    from slimwise_train.distill.student import text_config
+
+    return text_config(module.model).hidden_size
 
 
 def partitioned_loading(engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device,
@@ -279,9 +280,15 @@ def deepspeed_config(engine_cfg, distill_cfg, micro_batch_size: int, device: tor
     }
 
 
-def is_partitioned(tensor) -> bool:
-    """A ZeRO-3 parameter (its data is this rank's partition; the full shape is `ds_shape`)."""
-    return hasattr(tensor, "ds_id")
+@contextlib.contextmanager
+def _gathered(deepspeed, params):
+    """Full values of the ZeRO-3 parameters among `params` on every rank (collective: same list on every rank)."""
+    params = [p for p in params if is_partitioned(p)]
+    if not params:
+        yield
+        return
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
 
 
 class PartitionedLoading:
@@ -314,15 +321,9 @@ class PartitionedLoading:
             self.deepspeed.zero.Init(module=model, config_dict_or_path=self.config)
         return model
 
-    @contextlib.contextmanager
     def gathered(self, params):
         """Full values of `params` on every rank (collective: every rank calls it with the same list)."""
-        params = [p for p in params if is_partitioned(p)]
-        if not params:
-            yield
-            return
-        with self.deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            yield
+        return _gathered(self.deepspeed, params)
 
     @contextlib.contextmanager
     def gathered_inference(self, model: nn.Module):
@@ -357,7 +358,6 @@ class PartitionedLoading:
             for stack in contexts.values():
                 while stack:
                     stack.pop().__exit__(None, None, None)
-
 
 
 class DeepSpeedZeroEngine:
@@ -410,10 +410,7 @@ class DeepSpeedZeroEngine:
     def gathered_parameters(self, params=None):
         """Full parameters on every rank (ZeRO-3 partitions them; stages 1/2 hold them whole)."""
         params = list(self.module.parameters()) if params is None else params
-        if self.stage == 3:
-            with self._deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                yield params
-        else:
+        with _gathered(self._deepspeed, params) if self.stage == 3 else contextlib.nullcontext():
             yield params
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

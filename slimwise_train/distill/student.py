@@ -319,9 +319,9 @@ class DistillModel(nn.Module):
         layers = list(self.adapter.decoder_layers(self.model))
         whole = set()
         if mode == "layer":
-            from transformers import DynamicCache
+            from slimwise_train.moe.handoff import cache_layer_kinds
 
-            kinds = [type(layer).__name__ for layer in DynamicCache(config=text_config(self.model)).layers]
+            kinds = cache_layer_kinds(self.model)
             for index, layer in enumerate(layers):
                 if index < len(kinds) and kinds[index] in _REWINDABLE_CACHE_LAYERS:
                     self._recomputed.append(_Recompute(layer, active, student_phase, cache_index=index))

@@ -38,12 +38,12 @@ from slimwise_train.distill.engine import build_engine, partitioned_loading, val
 from slimwise_train.distill.losses import KL_LOSSES, distill_loss
 from slimwise_train.distill.metrics import LOGGERS, build_sink
 from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
-from slimwise_train.moe.handoff import copy_cache, make_cache_autograd_safe, positions_from_mask
+from slimwise_train.moe.handoff import cache_layer_kinds, copy_cache, make_cache_autograd_safe, positions_from_mask
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.distributed import full_shape
 from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
-from slimwise_train.utils.rundir import acquire_lock, check_writable, clean_stale_temporaries, release_lock
+from slimwise_train.utils.rundir import claim_output_dir
 
 log = logging.getLogger("slimwise.train")
 
@@ -93,7 +93,7 @@ class Trainer:
         self.last_eval: dict | None = None  # the latest held-out loss (eval/loss, eval/ce, eval/kl, eval/tokens)
         self.engine = None
         self.sink = None
-        self.lock = None
+        self.claim = contextlib.ExitStack()
         self.loading = None
 
     # ================================================================== setup
@@ -107,9 +107,8 @@ class Trainer:
         self.rank, self.world_size = du.rank(), du.world_size()
         if du.is_rank0():
             # Before loading anything: an unwritable folder, or one a live job holds, fails now, not at the first save.
-            check_writable(self.output_dir)
-            self.lock = acquire_lock(self.output_dir)
-            clean_stale_temporaries(self.output_dir)
+            # The folder stays claimed (locked) until close().
+            self.claim.enter_context(claim_output_dir(self.output_dir))
         self.device = resolve_device(cfg.device)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", du.cuda_index())
@@ -120,7 +119,6 @@ class Trainer:
 
         # ---- model, keep set, the one student/teacher module
         # engine=zero3: the DeepSpeed config exists before the model, which loads partitioned (no rank holds it whole)
-        self.loading = None
         if cfg.engine.name == "zero3":
             from slimwise_train.models import load_config
 
@@ -333,7 +331,7 @@ class Trainer:
         attention (a causal forward over prefix + continuation computes the prefix's K/V as the prefix pass does);
         sliding-window and linear-attention cache layers cannot be cropped back, so they keep the two passes."""
         wanted = self.cfg.distill.teacher_single_pass
-        kinds = {type(layer).__name__ for layer in DynamicCache(config=text_config(self.student.model)).layers}
+        kinds = set(cache_layer_kinds(self.student.model))
         possible = kinds == {"DynamicLayer"}
         if wanted and not possible:
             raise ValueError(f"distill.teacher_single_pass=true needs full-attention KV caches, this model has "
@@ -593,9 +591,7 @@ class Trainer:
         log.info("exported the distilled decoder to %s", self.output_dir / "export")
 
     def close(self) -> None:
-        if self.lock is not None:
-            release_lock(self.lock)
-            self.lock = None
+        self.claim.close()
         if self.sink is not None:
             self.sink.close()
         if self.engine is not None:

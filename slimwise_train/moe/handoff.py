@@ -62,6 +62,15 @@ def copy_cache(cache):
     return copy.deepcopy(cache)
 
 
+def cache_layer_kinds(model: nn.Module) -> list[str]:
+    """Class name of each layer of the DynamicCache `model` fills (DynamicLayer: full attention;
+    DynamicSlidingWindowLayer; LinearAttentionLayer: recurrent state updated in place), in layer order."""
+    from transformers import DynamicCache
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return [type(layer).__name__ for layer in DynamicCache(config=config).layers]
+
+
 def positions_from_mask(attention_mask: torch.Tensor, past_length: int = 0, new_length: int | None = None) -> torch.Tensor:
     """[B, past+new] 0/1 mask -> [B, new] position ids counting only real tokens (left padding gets 0)."""
     positions = attention_mask.long().cumsum(-1) - 1

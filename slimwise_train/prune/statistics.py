@@ -193,19 +193,19 @@ def collect_statistics(model, batches: Iterable[dict], progress: bool = True, to
     device = next(model.parameters()).device
     rank0 = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     with torch.no_grad(), ExpertStatsRecorder(model, stats.update) as recorder:
+
+        def forward(batch: dict, counted: bool) -> None:
+            mask = batch["attention_mask"].to(device)
+            recorder.token_mask = mask.bool().reshape(-1) & counted
+            # Scoring needs the routers, not the vocabulary: one position of logits instead of [B, S, V].
+            model(input_ids=batch["input_ids"].to(device), attention_mask=mask, use_cache=False, logits_to_keep=1)
+
         done, batch = 0, None
         for batch in tqdm(batches, total=total, desc="scoring experts", disable=not (progress and rank0), unit="batch"):
-            input_ids = batch["input_ids"].to(device)
-            mask = batch["attention_mask"].to(device)
-            recorder.token_mask = mask.bool().reshape(-1)
-            # Scoring needs the routers, not the vocabulary: one position of logits instead of [B, S, V].
-            model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=1)
+            forward(batch, counted=True)
             done += 1
-        while batch is not None and num_forwards is not None and done < num_forwards:
-            recorder.token_mask = torch.zeros_like(batch["attention_mask"], dtype=torch.bool).reshape(-1).to(device)
-            model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
-                  use_cache=False, logits_to_keep=1)
-            done += 1
+        for _ in range(max(0, (num_forwards or 0) - done) if batch is not None else 0):
+            forward(batch, counted=False)
     stats.all_reduce()
     return stats
 

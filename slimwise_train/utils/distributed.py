@@ -166,6 +166,11 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def is_partitioned(tensor) -> bool:
+    """A ZeRO-3 parameter (its data is this rank's partition; the full shape is `ds_shape`)."""
+    return hasattr(tensor, "ds_id")
+
+
 def full_shape(tensor) -> torch.Size:
     """The full shape of a parameter, also when ZeRO-3 holds only this rank's partition (then `.shape` is (0,))."""
     return torch.Size(getattr(tensor, "ds_shape", tensor.shape))
