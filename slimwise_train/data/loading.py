@@ -23,6 +23,8 @@ from typing import Iterator
 import torch
 import yaml
 
+from slimwise_train.utils import distributed as du
+
 log = logging.getLogger("slimwise.data")
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "data_recipes"
 _ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
@@ -228,7 +230,7 @@ def encode_all(tokenizer, pairs: list[TextPair], data_cfg) -> list[tuple[list[in
             encoded.append((ids, prompt_len))
     if not encoded:
         raise ValueError(f"data source {data_cfg.source!r}: every sequence tokenised to nothing")
-    if truncated:
+    if truncated and du.is_rank0():  # every rank encodes the same rows: say it once
         log.warning("data %s: truncated %d of %d sequences to data.seq_len=%d tokens", data_cfg.source, truncated,
                     len(pairs), data_cfg.seq_len)
     return encoded

@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import socket
+import warnings
 from pathlib import Path
 
 import torch
@@ -232,6 +233,10 @@ def _setup_deepspeed(engine_cfg, device: torch.device):
                         "it at set-up)", os.environ["TORCH_EXTENSIONS_DIR"])
     import deepspeed
 
+    # DeepSpeed 0.19 calls the collectives torch 2.13 deprecated, warning on every call (82 lines in a 20-step zero3
+    # run) and burying the progress bar and our log: they are DeepSpeed's to change, not the user's.
+    warnings.filterwarnings("ignore", category=FutureWarning,
+                            message=r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated")
     backend = engine_cfg.backend if engine_cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     _init_single_process_group(backend)
     deepspeed.init_distributed(dist_backend=backend)

@@ -503,9 +503,9 @@ class Trainer:
         while self.step < max_steps:
             metrics = self.train_step(self.step)
             self.step += 1
-            bar.update(1)
-            if "loss" in metrics:
+            if "loss" in metrics:  # before update(), which draws it: after it the bar shows the previous step's loss
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+            bar.update(1)
             window_fractions += metrics.pop("_split_fractions", [])
             if "step_seconds" in metrics:
                 step_seconds.append(metrics["step_seconds"])
