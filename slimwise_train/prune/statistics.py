@@ -234,7 +234,8 @@ def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
     num_tokens = int(stats.num_tokens[0].item())
     check_enough_tokens(num_tokens, int(cfg.prune.min_calibration_tokens),
                         f"statistics ({source}{': ' + str(cfg.prune.scores) if source == 'file' else ''})")
-    log.info("statistics (%s): %d real calibration tokens", source, num_tokens)
+    if du.is_rank0():  # all-reduced: the same count on every rank
+        log.info("statistics (%s): %d real calibration tokens", source, num_tokens)
     return stats, meta, source
 
 
