@@ -32,7 +32,7 @@ def bench_overrides(args, folder: Path, keep_path: Path, out: Path, engine: str)
     """The bench child's overrides (slimwise_train/bench/memory.py), with full-length rows split at s = 1."""
     from slimwise_train.bench.memory import ENGINES
 
-    return [f"model.path={folder}", f"prune.keep_set={keep_path}", *ENGINES[engine], f"hydra.run.dir={out / engine}",
+    return [f"model.path={folder}", f"prune.keep_set={keep_path}", *ENGINES[engine], f"output_dir={out / engine}",
             "resume=never", "logger=none", "progress=false", "data.source=synthetic", "data.num_samples=1024",
             f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}", f"distill.max_steps={args.steps}",
             f"distill.min_continuation={args.seq_len - 1}", "distill.eval_every=100000", "distill.save_every=100000",
