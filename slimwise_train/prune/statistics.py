@@ -249,7 +249,9 @@ def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
     check_seq_len(cfg.data, model)
     key = statistics_key(fingerprint, cfg.data, tokenizer)
     cache_file = Path(cfg.prune.cache_dir) / f"{key}.safetensors"
-    if cfg.prune.use_cache and cache_file.is_file():
+    # Rank 0 decides for all: a concurrent job (a submitit sweep runs its jobs at once) may write the cache between
+    # two ranks' checks, and a rank that loads it while another calibrates deadlocks the calibration's collectives.
+    if du.broadcast_object(bool(cfg.prune.use_cache and cache_file.is_file())):
         stats, meta = load_scores(cache_file)
         check_same_model(meta.get("model", {}), fingerprint, cache_file)
         log.info("statistics: cache hit %s", cache_file)
