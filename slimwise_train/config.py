@@ -189,7 +189,9 @@ class EvalConfig:
     num_per_family: int = 200  # held-out problems per family
     seed: Optional[int] = None  # held-out stream seed; null: the recipe's eval seed (the split training excludes)
     recipe: Optional[str] = None  # synthetic recipe YAML (family params); null: data_recipes/synthetic.yaml
-    budget: Optional[int] = None  # max new tokens; null: budget_factor x longest reference answer, per family
+    # max new tokens: an int, {family: int} (e.g. the lm-eval tasks' max_gen_toks), or null: budget_factor x the
+    # longest reference answer, per family
+    budget: Optional[Any] = None
     budget_factor: float = 2.0
     batch_size: int = 32
     save_generations: bool = False  # also write generations.jsonl (every output text, per mode and keep set)

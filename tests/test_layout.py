@@ -28,6 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     # the memory planner: reads the student (distill) and the keep-set rule (prune); bench_compare runs the bench's
     # memory child to check the plan against measurement
     "plan": _SHARED | {"prune", "distill", "bench"},
+    # the lm-eval `slimwise` model: the eval app's generation, metrics and report (one implementation)
+    "lm_eval": _SHARED | {"eval"},
     "__main__": {"distill", "utils"},
     "__init__": set(),
 }

@@ -62,9 +62,18 @@ def validate_eval_config(cfg) -> None:
         raise ValueError(f"eval.num_per_family must be >= 1, got {ev.num_per_family}")
     if ev.batch_size < 1:
         raise ValueError(f"eval.batch_size must be >= 1, got {ev.batch_size}")
-    if ev.budget is not None and ev.budget < 1:
-        raise ValueError(f"eval.budget must be >= 1 token (or null for {ev.budget_factor} x the longest answer), "
-                         f"got {ev.budget}")
+    if ev.budget is not None:
+        budgets = dict(ev.budget) if OmegaConf.is_dict(ev.budget) or isinstance(ev.budget, dict) else {"*": ev.budget}
+        unknown = sorted(set(budgets) - {"*", *ev.families})
+        if unknown:
+            raise ValueError(f"eval.budget names families {unknown} that are not in eval.families {list(ev.families)}")
+        missing = [] if "*" in budgets else [f for f in ev.families if f not in budgets]
+        if missing:
+            raise ValueError(f"eval.budget gives no budget for {missing}; give every family in eval.families one")
+        bad = {f: b for f, b in budgets.items() if not isinstance(b, int) or isinstance(b, bool) or b < 1}
+        if bad:
+            raise ValueError(f"eval.budget must be >= 1 token per family (or null for {ev.budget_factor} x the longest "
+                             f"answer), got {bad if '*' not in bad else ev.budget}")
     if cfg.logger.name not in LOGGERS:
         raise ValueError(f"unknown logger {cfg.logger.name!r}; use one of {list(LOGGERS)}")
     if ev.student and "slimwise_distill" in ev.modes:
@@ -132,7 +141,8 @@ def run_eval(cfg) -> dict:
         student = load_student(cfg.eval.student, model)
     problems = build_problems(tokenizer, list(cfg.eval.families), cfg.eval.num_per_family, cfg.eval.seed,
                               cfg.eval.recipe)
-    results = evaluate(model, tokenizer, keep_sets, list(cfg.eval.modes), problems, cfg.eval.budget,
+    budget = dict(cfg.eval.budget) if OmegaConf.is_dict(cfg.eval.budget) else cfg.eval.budget
+    results = evaluate(model, tokenizer, keep_sets, list(cfg.eval.modes), problems, budget,
                        cfg.eval.batch_size, budget_factor=cfg.eval.budget_factor, student=student,
                        keep_set_paths=keep_paths, progress=cfg.progress and du.is_rank0())
     results["model"] = model_identity(cfg.model)

@@ -76,22 +76,30 @@ def build_problems(
     """
     from slimwise_train.data import synthetic
 
-    if num_per_family < 1:
-        raise ValueError(f"eval.num_per_family must be >= 1, got {num_per_family}")
-    unknown = [f for f in families if f not in synthetic.FAMILIES]
-    if unknown or not families:
-        raise ValueError(f"unknown eval.families {unknown or list(families)}; use some of {list(synthetic.FAMILIES)}")
-    recipe = recipe if isinstance(recipe, dict) else synthetic.load_recipe(recipe)
-    seed = int(recipe["splits"]["eval"]["seed"]) if seed is None else int(seed)
-    params = synthetic.recipe_params(recipe)
     problems = []
     for family in families:
-        for example in synthetic.heldout(family, num_per_family, seed, **params.get(family, {})):
+        for example in heldout_examples(family, num_per_family, seed, recipe):
             prompt_text, answer_text = synthetic.to_text(example)
             prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
             answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
             problems.append(Problem(family, example.prompt, example.answer, prompt_ids, len(answer_ids) + 1))
+    if not problems:
+        raise ValueError(f"unknown eval.families {list(families)}; use some of {list(synthetic.FAMILIES)}")
     return problems
+
+
+def heldout_examples(family: str, num: int, seed: int | None = None, recipe: str | Path | dict | None = None):
+    """The first `num` held-out examples of one family: what the eval app and the lm-eval tasks
+    (slimwise_train/lm_eval/tasks) both evaluate. `seed=None`: the recipe's eval seed."""
+    from slimwise_train.data import synthetic
+
+    if num < 1:
+        raise ValueError(f"eval.num_per_family must be >= 1, got {num}")
+    if family not in synthetic.FAMILIES:
+        raise ValueError(f"unknown eval.families [{family!r}]; use some of {list(synthetic.FAMILIES)}")
+    recipe = recipe if isinstance(recipe, dict) else synthetic.load_recipe(recipe)
+    seed = int(recipe["splits"]["eval"]["seed"]) if seed is None else int(seed)
+    return synthetic.heldout(family, num, seed, **synthetic.recipe_params(recipe).get(family, {}))
 
 
 def family_budgets(problems: Sequence[Problem], budget: int | Mapping[str, int] | None = None,

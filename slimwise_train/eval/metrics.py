@@ -1,5 +1,5 @@
 """Accuracy and output-length metrics of the synthetic suite: pure functions of per-problem records, the one
-implementation that every evaluation path shares (the five-mode `evaluate` now, an lm-eval integration later).
+implementation that every evaluation path shares (the five-mode `evaluate` and the lm-eval `slimwise` model).
 
 Per problem (`score_run`, lists aligned with the problems):
 
@@ -10,7 +10,8 @@ Per problem (`score_run`, lists aligned with the problems):
     first_token_agrees  the first generated token equals the full model's
     same_as_full        the whole output equals the full model's (None when `full` did not run)
 
-Per (keep set, mode, family) and pooled over families (`all`) (`summarize`):
+Per (keep set, mode, family) and pooled over families (`all`) (`summarize`; accuracy / collapse are None when a
+record has no correctness / reference length, as for lm-eval runs without logged samples):
 
     accuracy                         share correct
     median_length                    median length: the mean of the two middle values for even n
@@ -129,9 +130,11 @@ def summarize(problems: Sequence[Problem], record: dict, budgets: Mapping[str, i
     for name, idx in groups.items():
         pick = lambda key: [record[key][i] for i in idx]  # noqa: E731
         lengths = pick("length")
-        metrics = {"n": len(idx), "accuracy": share(pick("correct"))}
+        correct = pick("correct")
+        metrics = {"n": len(idx), "accuracy": None if None in correct else share(correct)}
         metrics.update(length_stats(lengths, [budgets[problems[i].family] for i in idx], pick("ended")))
-        metrics["collapse"] = collapse_share(lengths, [problems[i].reference_length for i in idx], pick("ended"))
+        references = [problems[i].reference_length for i in idx]
+        metrics["collapse"] = None if None in references else collapse_share(lengths, references, pick("ended"))
         metrics["first_token_agreement_with_full"] = share(pick("first_token_agrees"))
         metrics["exact_match_with_full"] = None if record["same_as_full"] is None else share(pick("same_as_full"))
         out[name] = metrics

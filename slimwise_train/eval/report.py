@@ -101,8 +101,9 @@ def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
     fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.4), squeeze=False)
     for ax, family in zip(axes[0], families):
         idx = [i for i, f in enumerate(problem_family) if f == family]
-        ref = sorted(results["problems"][i]["reference_length"] for i in idx)
-        ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
+        ref = [results["problems"][i]["reference_length"] for i in idx]
+        if None not in ref:  # lm-eval runs without logged samples know no references
+            ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
         for k, run in enumerate(runs):
             # Modes often coincide (full and reverse, conventional and slimwise): distinct dashes, markers and a
             # small vertical offset keep every line visible where they overlap.

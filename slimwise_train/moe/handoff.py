@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import types
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -132,10 +133,11 @@ class GenerationResult:
     lengths: torch.Tensor
     ended: torch.Tensor
     first_token: torch.Tensor
+    stopped: torch.Tensor | None = None  # [B] bool: ended by `stop_fn` (a stop string), not by EOS or the budget
 
     @property
     def hit_budget(self) -> torch.Tensor:
-        return ~self.ended
+        return ~self.ended if self.stopped is None else ~self.ended & ~self.stopped
 
 
 @torch.no_grad()
@@ -150,6 +152,7 @@ def handoff_generate(
     *,
     prefill_phase: str = "prefill",
     decode_phase: str = "decode",
+    stop_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> GenerationResult:
     """Batched greedy generation: `prefill_model` reads the left-padded prompt [B, S] and picks the first
     token; `decode_model` produces the rest over the same cache.
@@ -158,6 +161,8 @@ def handoff_generate(
     the decode phase), the full model and a pruned checkpoint for disaggregation, or the full model twice.
     `prefill_phase`/`decode_phase` pick the masking phase of each part for a masked model (ignored by plain
     models): ("decode", "decode") runs pruned throughout, ("decode", "prefill") prefills pruned and decodes full.
+    `stop_fn(tokens [B, n], active [B]) -> [B] bool` is asked after every step for the rows still running: True
+    ends a row there (stop strings); such a row is not `ended` (no EOS) and its length counts the tokens made.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -171,15 +176,22 @@ def handoff_generate(
     tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=input_ids.device)
     done = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=input_ids.device)
+    stopped_early = torch.zeros(batch, dtype=torch.bool, device=input_ids.device)
     mask = attention_mask
     for step in range(max_new_tokens):
         tokens[:, step] = torch.where(done, torch.full_like(next_token, pad_token_id), next_token)
         just_ended = ~done & torch.isin(next_token, eos)
         lengths = torch.where(just_ended, torch.full_like(lengths, step + 1), lengths)
         done = done | just_ended
+        if stop_fn is not None:
+            stopped = ~done & stop_fn(tokens[:, : step + 1], ~done)
+            lengths = torch.where(stopped, torch.full_like(lengths, step + 1), lengths)
+            stopped_early = stopped_early | stopped
+            done = done | stopped
         if bool(done.all()) or step + 1 == max_new_tokens:
             break
         mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
         logits, cache = continue_on_cache(decode_model, cache, next_token[:, None], mask, phase=decode_phase)
         next_token = logits[:, -1].argmax(-1)
-    return GenerationResult(tokens=tokens, lengths=lengths, ended=done, first_token=first_token)
+    return GenerationResult(tokens=tokens, lengths=lengths, ended=done & ~stopped_early, first_token=first_token,
+                            stopped=stopped_early)

@@ -1,0 +1,233 @@
+"""Output lengths of an lm-eval run of the `slimwise` model: per request records, per task summaries and the
+report, with the eval app's metric definitions (`slimwise_train.eval.metrics`, one implementation).
+
+Files written into the folder of lm-eval's results (each atomically):
+
+    slimwise_lengths_<run>.jsonl   one line per request: task, doc_id, mode, num_tokens, end_reason (eos | stop |
+                                   budget), budget, first_token_agrees, reference_tokens and correct when lm-eval
+                                   logged samples (--log_samples)
+    slimwise_summary_<run>.json    what ran (model, mode, keep set, student) and per task: accuracy (lm-eval's
+                                   metric), median / p90 / max / mean length, hit_budget, collapse, first-token
+                                   agreement with the full model
+    slimwise_report.md             every run in the folder side by side: one table per keep set, rows = modes
+    slimwise_lengths_<keep>.png    length CDF per task, one line per mode
+
+`<run>` is the mode, plus the keep set's name for pruned modes, so the five modes of one keep set run into one
+`--output_path` build up one comparison. Length = generated tokens incl. EOS (or the token that completed a stop
+string); hit_budget = ended by max_gen_toks; collapse = ended (EOS or stop) shorter than half the reference answer
+(lm-eval's target, tokens + 1 for EOS; null without --log_samples).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Sequence
+
+log = logging.getLogger("slimwise.lm_eval")
+
+LENGTHS_PREFIX, SUMMARY_PREFIX = "slimwise_lengths_", "slimwise_summary_"
+REPORT_NAME = "slimwise_report.md"
+
+
+# ----------------------------------------------------------------------------------------------- lm-eval outputs
+def primary_metric(task_results: dict) -> tuple[str, float] | None:
+    """(name, value) of a task's first metric in lm-eval's results (`acc,none` -> acc), or None."""
+    for key, value in task_results.items():
+        if key == "alias" or "_stderr" in key or not isinstance(value, (int, float)):
+            continue
+        return key.split(",")[0], float(value)
+    return None
+
+
+def per_sample(samples: Sequence[dict] | None, tokenizer) -> dict[int, dict]:
+    """{doc_id: {"correct": bool|None, "reference_tokens": int|None}} from lm-eval's logged samples."""
+    out = {}
+    for sample in samples or ():
+        metrics = sample.get("metrics") or []
+        correct = bool(sample[metrics[0]]) if metrics and metrics[0] in sample else None
+        target = sample.get("target")
+        reference = (len(tokenizer(str(target), add_special_tokens=False)["input_ids"]) + 1
+                     if isinstance(target, str) and target else None)
+        out[int(sample["doc_id"])] = {"correct": correct, "reference_tokens": reference}
+    return out
+
+
+def read_lm_eval_outputs(folder: Path, since: float) -> tuple[Path | None, dict | None, dict[str, list]]:
+    """(results file, results, {task: samples}) of the newest lm-eval run written into `folder` (recursively)
+    after `since` (a time.time()), as `--output_path` writes them; (None, None, {}) when there is none."""
+    candidates = [p for p in folder.rglob("results_*.json") if p.stat().st_mtime >= since - 1]
+    if not candidates:
+        return None, None, {}
+    path = max(candidates, key=lambda p: p.stat().st_mtime)
+    results = json.loads(path.read_text())
+    date_id = path.stem[len("results_"):]
+    samples = {}
+    for task in results.get("results", {}):
+        file = path.parent / f"samples_{task}_{date_id}.jsonl"
+        if file.is_file():
+            samples[task] = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+    return path, results, samples
+
+
+# ----------------------------------------------------------------------------------------------- summaries
+def run_name(info: dict) -> str:
+    from slimwise_train.eval.app import keep_set_name
+
+    if info["mode"] == "full" or not info.get("keep_set"):
+        return info["mode"]
+    return f"{info['mode']}_{keep_set_name(info['keep_set'], set())}"
+
+
+def annotate(records: Sequence[dict], results: dict | None, samples: dict[str, list], tokenizer) -> list[dict]:
+    """Records with correct / reference_tokens from lm-eval's samples (None where not logged), in task, doc order."""
+    known = {task: per_sample(rows, tokenizer) for task, rows in samples.items()}
+    out = []
+    for record in sorted(records, key=lambda r: (str(r["task"]), r["doc_id"] or 0, r.get("idx", 0))):
+        extra = known.get(record["task"], {}).get(record["doc_id"], {})
+        out.append({**record, "correct": extra.get("correct"), "reference_tokens": extra.get("reference_tokens")})
+    return out
+
+
+def summarize_records(records: Sequence[dict], results: dict | None = None) -> dict[str, dict]:
+    """{task: metrics, "all": metrics} with `slimwise_train.eval.metrics.summarize` (the eval app's definitions).
+    Accuracy: the per-sample scores when lm-eval logged samples, else lm-eval's aggregate (per task only)."""
+    from slimwise_train.eval.metrics import summarize
+
+    problems = [SimpleNamespace(family=r["task"], reference_length=r.get("reference_tokens")) for r in records]
+    record = {
+        "length": [r["num_tokens"] for r in records],
+        "ended": [r["end_reason"] != "budget" for r in records],
+        "correct": [r.get("correct") for r in records],
+        "first_token_agrees": [r["first_token_agrees"] for r in records],
+        "same_as_full": None,
+    }
+    budgets = {}
+    for r in records:
+        budgets[r["task"]] = max(budgets.get(r["task"], 0), r["budget"])
+    rows = summarize(problems, record, budgets)
+    for task, row in rows.items():
+        if row["accuracy"] is None and results and task in results.get("results", {}):
+            metric = primary_metric(results["results"][task])
+            row["accuracy"] = metric[1] if metric else None
+            row["accuracy_metric"] = metric[0] if metric else None
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- writing
+def write_run(folder: str | Path, info: dict, records: Sequence[dict], results: dict | None,
+              samples: dict[str, list] | None, tokenizer) -> dict:
+    """Write one run's lengths and summary into `folder`, then rebuild the folder's report; returns the summary."""
+    from slimwise_train.utils.atomic import atomic_path, write_json_atomic
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if not records:
+        raise ValueError("the slimwise model answered no generate_until requests, so there are no lengths to "
+                         "write (loglikelihood tasks have none)")
+    records = annotate(records, results, samples or {}, tokenizer)
+    name = run_name(info)
+    with atomic_path(folder / f"{LENGTHS_PREFIX}{name}.jsonl") as tmp, open(tmp, "w") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+    summary = {"format": "slimwise-lm-eval-lengths/1", "run": name, "written_at": time.time(), **info,
+               "tasks": summarize_records(records, results),
+               "lm_eval_results": (results or {}).get("results")}
+    write_json_atomic(folder / f"{SUMMARY_PREFIX}{name}.json", summary)
+    write_report(folder)
+    return summary
+
+
+def load_runs(folder: Path) -> list[tuple[dict, list[dict]]]:
+    runs = []
+    for path in sorted(folder.glob(f"{SUMMARY_PREFIX}*.json")):
+        summary = json.loads(path.read_text())
+        lengths = folder / f"{LENGTHS_PREFIX}{summary['run']}.jsonl"
+        if lengths.is_file():
+            runs.append((summary, [json.loads(x) for x in lengths.read_text().splitlines() if x.strip()]))
+    return runs
+
+
+_MODE_ORDER = ("full", "conventional", "slimwise", "reverse", "distilled")
+
+
+def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
+    """The eval app's results shape (families = tasks) over the runs that evaluated the same requests as the
+    newest run, so `slimwise_train.eval.report` renders and plots them."""
+    from slimwise_train.eval.app import keep_set_name
+
+    newest = max(runs, key=lambda run: run[0].get("written_at", 0))
+    key = lambda r: (r["task"], r["doc_id"], r.get("idx", 0))  # noqa: E731
+    reference = [key(r) for r in newest[1]]
+    notes, chosen = [], []
+    for summary, records in runs:
+        if [key(r) for r in records] != reference:
+            notes.append(f"run {summary['run']} evaluated other requests (tasks or --limit) than {newest[0]['run']}; "
+                         "left out of this comparison")
+            continue
+        chosen.append((summary, records))
+    chosen.sort(key=lambda run: _MODE_ORDER.index(run[0]["mode"]) if run[0]["mode"] in _MODE_ORDER else 99)
+    base = newest[1]
+    tasks = list(dict.fromkeys(r["task"] for r in base))
+    problems = [{"family": r["task"], "reference_length": r.get("reference_tokens"), "doc_id": r["doc_id"]}
+                for r in base]
+    keep_sets, rows, out_runs, taken = {}, [], [], {}
+    for summary, records in chosen:
+        keep = None
+        if summary["mode"] != "full" and summary.get("keep_set"):
+            path = summary["keep_set"]
+            if path not in taken:
+                taken[path] = keep_set_name(path, set(taken.values()))
+            keep = taken[path]
+            keep_sets[keep] = {"path": path, "num_kept": summary.get("num_kept"),
+                               "num_experts": summary.get("num_experts"), "keep_fraction": summary.get("keep_fraction")}
+        for task, metrics in summary["tasks"].items():
+            rows.append({"keep_set": keep, "mode": summary["mode"], "family": task, **metrics,
+                         "exact_match_with_full": None})
+        out_runs.append({"keep_set": keep, "mode": summary["mode"], "length": [r["num_tokens"] for r in records]})
+    budgets = {}
+    for r in base:
+        budgets[r["task"]] = max(budgets.get(r["task"], 0), r["budget"])
+    return {
+        "families": tasks,
+        "num_problems": {t: sum(r["task"] == t for r in base) for t in tasks},
+        "budget": budgets,
+        "budget_rule": "each task's max_gen_toks",
+        "mode_descriptions": {s["mode"]: s["mode_description"] for s, _ in chosen},
+        "keep_sets": keep_sets,
+        "rows": rows,
+        "notes": notes,
+        "problems": problems,
+        "runs": out_runs,
+        "models": sorted({s["model"] for s, _ in chosen}),
+    }
+
+
+def write_report(folder: str | Path) -> Path:
+    """slimwise_report.md and the length CDFs of every run in `folder`."""
+    from slimwise_train.eval.report import plot_lengths, render_markdown, safe_name
+    from slimwise_train.utils.atomic import write_text_atomic
+
+    folder = Path(folder)
+    runs = load_runs(folder)
+    results = combined_results(runs)
+    header = [f"model: {', '.join(results['models'])}", "tool: lm-evaluation-harness (`python -m slimwise_train.lm_eval`)"]
+    text = render_markdown(results, title="SlimWise lm-eval lengths", header_lines=header)
+    write_text_atomic(folder / REPORT_NAME, text)
+    for name in list(results["keep_sets"]) or [None]:
+        plot_lengths(results, name, folder / f"slimwise_lengths_{safe_name(name or 'full')}.png")
+    return folder / REPORT_NAME
+
+
+def wandb_table(summary: dict):
+    """The run's per-task rows as a wandb.Table (when lm-eval's --wandb_args started a run)."""
+    import wandb
+
+    columns = ["run", "mode", "task", "accuracy", "median_length", "p90_length", "max_length", "hit_budget",
+               "collapse", "first_token_agreement_with_full", "n"]
+    data = [[summary["run"], summary["mode"], task, *(row.get(c) for c in columns[3:])]
+            for task, row in summary["tasks"].items()]
+    return wandb.Table(columns=columns, data=data)

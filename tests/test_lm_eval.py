@@ -1,0 +1,446 @@
+"""The lm-eval `slimwise` model: the same numbers as `python -m slimwise_train.eval`, requests against per-request
+loops, the packaged tasks (synthetic suite and the hub benchmarks' local variants), the CLI, data parallelism.
+
+Model: the shipped teacher, a seeded random 50% keep set and a "distilled" student whose trainable tensors are
+random (so distilled differs from slimwise). Budgets are capped at CAP tokens on both sides (--gen_kwargs
+max_gen_toks / eval.budget) to keep the suite fast; the uncapped 200-problem comparison is `bench lm_eval`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+
+from slimwise_train.config import CONF_DIR
+from slimwise_train.eval.app import run_eval
+from slimwise_train.eval.generation import build_problems, family_budgets, left_pad
+from slimwise_train.moe.adapters import get_adapter
+from slimwise_train.moe.handoff import continue_on_cache, prefill
+from slimwise_train.moe.keepset import KeepSet
+
+REPO = Path(__file__).resolve().parents[1]
+TEACHER = REPO / "slimwise_train" / "assets" / "teacher"
+PER_FAMILY = 30
+CAP = 40
+FAMILIES = ("math", "code", "tool")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
+       "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+
+lm_eval = pytest.importorskip("lm_eval")
+from lm_eval.api.model import LM  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    from slimwise_train.distill.export import export_student
+    from slimwise_train.distill.student import DistillModel
+    from slimwise_train.lm_eval.model import SlimwiseLM
+
+    root = tmp_path_factory.mktemp("lm_eval")
+    lm = SlimwiseLM(pretrained=str(TEACHER), mode="full", device="cpu", progress=False)
+    model = lm.model
+    layers = get_adapter(model).moe_layers(model)
+    generator = torch.Generator().manual_seed(0)
+    kept = [sorted(torch.randperm(m.num_experts, generator=generator)[: m.num_experts // 2].tolist()) for m in layers]
+    keep = KeepSet.from_kept(layers, kept, model_type=model.config.model_type)
+    keep.save(root / "keep" / "keep_set.json")
+    student = DistillModel(model, keep)
+    with torch.no_grad():
+        for _, param in student.trainable_named_parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.02)
+    export_student(student, root / "student", tokenizer=lm.tokenizer)
+    student.remove_hooks()
+    SlimwiseLM.instances.clear()
+    return {"root": root, "keep": str(root / "keep" / "keep_set.json"), "student": str(root / "student")}
+
+
+def _lm(assets, mode, **kwargs):
+    from slimwise_train.lm_eval.model import SlimwiseLM
+
+    extra = {"keep_set": assets["keep"]} if mode != "full" else {}
+    if mode == "distilled":
+        extra["student"] = assets["student"]
+    return SlimwiseLM(pretrained=str(TEACHER), mode=mode, device="cpu", progress=False, **extra, **kwargs)
+
+
+class _Request:
+    """What lm-eval hands a model: args, task_name, doc_id, idx."""
+
+    def __init__(self, args, task_name="t", doc_id=0):
+        self.args, self.task_name, self.doc_id, self.idx = args, task_name, doc_id, 0
+
+
+# ------------------------------------------------------------------------------------ the tasks' budgets
+def test_synthetic_task_budgets_are_the_eval_apps_default_for_200_problems():
+    from slimwise_train.data.tokenizer import load_tokenizer
+    from slimwise_train.lm_eval import TASKS_DIR
+
+    tokenizer = load_tokenizer(TEACHER)
+    budgets = family_budgets(build_problems(tokenizer, list(FAMILIES), 200))
+    for family in FAMILIES:
+        text = (TASKS_DIR / f"slimwise_{family}.yaml").read_text()
+        config = yaml.safe_load(text.replace("!function ", ""))
+        assert config["generation_kwargs"]["max_gen_toks"] == budgets[family], family
+
+
+# ------------------------------------------------------------------------------------ equal to the eval app
+@pytest.fixture(scope="module")
+def both_tools(assets):
+    from lm_eval.tasks import TaskManager
+
+    from slimwise_train.lm_eval import TASKS_DIR, evaluate
+
+    out = assets["root"] / "eval_app"
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("eval", overrides=[
+            f"output_dir={out}", "progress=false", "model=teacher", f"eval.keep_sets=[{assets['keep']}]",
+            f"eval.student={assets['student']}", f"eval.num_per_family={PER_FAMILY}", f"eval.budget={CAP}"])
+    app = run_eval(cfg)
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+    lm_runs = {}
+    for mode in ("full", "conventional", "slimwise", "reverse", "distilled"):
+        lm = _lm(assets, mode)
+        results = evaluate(lm, [f"slimwise_{f}" for f in FAMILIES], output_path=assets["root"] / "lm_eval",
+                           limit=PER_FAMILY, gen_kwargs=f"max_gen_toks={CAP}", task_manager=manager)
+        lm_runs[mode] = (lm, results)
+        lm.masking and lm.masking.remove()
+    return app, lm_runs
+
+
+@pytest.mark.slow
+def test_accuracy_and_lengths_equal_the_eval_app_for_every_mode_and_family(both_tools):
+    app, lm_runs = both_tools
+    app_mode = {"distilled": "slimwise_distill"}
+    compared = 0
+    for mode, (_, results) in lm_runs.items():
+        lengths = results["slimwise_lengths"]
+        for family in FAMILIES:
+            (row,) = [r for r in app["rows"] if r["mode"] == app_mode.get(mode, mode) and r["family"] == family]
+            ours = lengths[f"slimwise_{family}"]
+            assert ours["n"] == row["n"] == PER_FAMILY
+            assert results["results"][f"slimwise_{family}"]["acc,none"] == pytest.approx(row["accuracy"], abs=1e-12)
+            for metric in ("accuracy", "median_length", "p90_length", "max_length", "hit_budget", "collapse",
+                           "first_token_agreement_with_full"):
+                assert ours[metric] == pytest.approx(row[metric], abs=1e-12), (mode, family, metric)
+            compared += 1
+    assert compared == 15
+    # the modes differ somewhere (a test that cannot fail would pass with five copies of one mode)
+    medians = {mode: tuple(r["slimwise_lengths"][f"slimwise_{f}"]["median_length"] for f in FAMILIES)
+               for mode, (_, r) in lm_runs.items()}
+    assert len(set(medians.values())) >= 3, medians
+
+
+@pytest.mark.slow
+def test_per_request_lengths_and_the_report(both_tools, assets):
+    from slimwise_train.lm_eval.lengths import REPORT_NAME
+
+    app, lm_runs = both_tools
+    folder = assets["root"] / "lm_eval"
+    records = [json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text().splitlines()]
+    assert len(records) == 3 * PER_FAMILY
+    assert {r["end_reason"] for r in records} <= {"eos", "budget"}  # the suite's tasks have no stop strings
+    (app_run,) = [r for r in app["runs"] if r["mode"] == "slimwise"]
+    by_family = {f: [r for r in records if r["task"] == f"slimwise_{f}"] for f in FAMILIES}
+    app_lengths = {f: [n for n, p in zip(app_run["length"], app["problems"]) if p["family"] == f] for f in FAMILIES}
+    for family in FAMILIES:
+        assert [r["num_tokens"] for r in sorted(by_family[family], key=lambda r: r["doc_id"])] == app_lengths[family]
+    report = (folder / REPORT_NAME).read_text()
+    for mode in ("| full |", "| conventional |", "| slimwise |", "| reverse |", "| distilled |"):
+        assert mode in report
+    assert (folder / "slimwise_lengths_keep.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------------ against per-request loops
+def _reference_generate(lm, context, until, budget):
+    """One request alone: prefill pool over the prompt, then one token at a time from the decode pool."""
+    prefill_phase, decode_phase = lm.phases
+    ids = torch.tensor([lm.tok_encode(context)])
+    with torch.no_grad():
+        logits, cache = prefill(lm.model, ids, phase=prefill_phase)
+        tokens = [int(logits[0, -1].argmax())]
+        while True:
+            text = lm.tokenizer.decode(tokens, skip_special_tokens=False)
+            if tokens[-1] in lm.eos:
+                return lm.tokenizer.decode(tokens[:-1]), len(tokens), "eos"
+            if any(s in text for s in until):
+                return text.split(next(s for s in until if s in text), 1)[0], len(tokens), "stop"
+            if len(tokens) == budget:
+                return text, len(tokens), "budget"
+            logits, cache = continue_on_cache(lm.decoder, cache, torch.tensor([[tokens[-1]]]), phase=decode_phase)
+            tokens.append(int(logits[0, -1].argmax()))
+
+
+@pytest.mark.parametrize("mode", ["conventional", "slimwise", "reverse", "distilled"])
+def test_generate_until_equals_a_per_request_loop_with_stop_strings(assets, mode):
+    from slimwise_train.data import synthetic
+
+    lm = _lm(assets, mode, batch_size=4)
+    problems = [p for f in FAMILIES for p in synthetic.heldout(f, 3, 7)]
+    # stop strings that do occur in answers (digits, a JSON quote, "(") and one that never does
+    requests = [_Request((p.prompt + synthetic.SEP, {"until": [stop], "max_gen_toks": 24}), doc_id=i)
+                for i, (p, stop) in enumerate(zip(problems, ["1", "2", "\"", "(", "zzz"] * 2))]
+    texts = lm.generate_until(requests)
+    reasons = []
+    for req, text, record in zip(requests, texts, sorted(lm.records, key=lambda r: r["doc_id"])):
+        context, kwargs = req.args
+        expected, n, reason = _reference_generate(lm, context, kwargs["until"], kwargs["max_gen_toks"])
+        assert (str(text), text.num_tokens, text.end_reason) == (expected, n, reason)
+        assert (record["num_tokens"], record["end_reason"]) == (n, reason)
+        assert text.ended == (reason == "eos")
+        reasons.append(reason)
+    assert "stop" in reasons and len(set(reasons)) >= 2, reasons
+    lm.masking.remove()
+
+
+def _reference_loglikelihood(lm, context_ids, continuation_ids):
+    prefill_phase, decode_phase = lm.phases
+    with torch.no_grad():
+        logits, cache = prefill(lm.model, torch.tensor([context_ids]), phase=prefill_phase)
+        total, greedy, last = 0.0, True, logits[0, -1]
+        for k, token in enumerate(continuation_ids):
+            logprobs = torch.log_softmax(last.double(), -1)
+            total += float(logprobs[token])
+            greedy &= int(last.argmax()) == token
+            if k + 1 < len(continuation_ids):
+                logits, cache = continue_on_cache(lm.decoder, cache, torch.tensor([[token]]), phase=decode_phase)
+                last = logits[0, -1]
+    return total, greedy
+
+
+@pytest.mark.parametrize("mode", ["full", "conventional", "slimwise", "reverse", "distilled"])
+def test_loglikelihood_and_rolling_equal_a_per_request_loop(assets, mode):
+    from slimwise_train.data import synthetic
+
+    lm = _lm(assets, mode, batch_size=3)
+    pairs = []
+    for family in FAMILIES:
+        for example in synthetic.heldout(family, 2, 3):
+            # The context ends inside the answer: lm-eval moves a context's trailing whitespace (the suite's SEP)
+            # into the continuation, and the teacher never learnt to predict SEP itself.
+            prompt, answer = synthetic.to_text(example)
+            cut = max(1, len(answer) // 3)
+            pairs += [(prompt + answer[:cut], answer[cut:] or "x"),
+                      (prompt + answer[:cut], answer[cut:][::-1] or "x")]
+    scores = lm.loglikelihood([_Request(pair) for pair in pairs])
+    assert len({round(s[0], 3) for s in scores}) > 3
+    for (context, continuation), (logprob, greedy) in zip(pairs, scores):
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        ref_logprob, ref_greedy = _reference_loglikelihood(lm, context_ids, continuation_ids)
+        assert logprob == pytest.approx(ref_logprob, abs=2e-4, rel=1e-5)  # float32 batched vs float64 one by one
+        assert greedy == ref_greedy
+    if mode == "full":
+        assert any(greedy for _, greedy in scores)  # the teacher predicts some answers exactly
+    # rolling: lm-eval's disjoint windows; with max_length 16 a text spans several windows
+    text = pairs[0][0] + pairs[0][1]
+    lm._max_length = 16
+    (total,) = lm.loglikelihood_rolling([_Request((text,))])
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    windows = map(make_disjoint_window, get_rolling_token_windows(
+        token_list=lm.tok_encode(text, add_special_tokens=False), prefix_token=lm.prefix_token_id,
+        max_seq_len=16, context_len=1))
+    reference = sum(_reference_loglikelihood(lm, c, t)[0] for c, t in windows)
+    assert total == pytest.approx(reference, abs=5e-4)
+    if lm.masking is not None:
+        lm.masking.remove()
+
+
+# ------------------------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "slimwise"}, "mode=slimwise needs keep_set"),
+    ({"mode": "sideways"}, "mode='sideways' is unknown"),
+    ({"mode": "full", "batch_size": "auto"}, "automatic batch sizes are not supported"),
+    ({"mode": "full", "temperature_": 1}, "unknown slimwise model_args ['temperature_']"),
+    ({"mode": "slimwise", "keep_set": "/nonexistent/keep_set.json"}, "keep_set=/nonexistent"),
+    ({"mode": "full", "device": "cuda:0"}, "no CUDA device"),
+])
+def test_bad_model_args_are_one_clear_error(kwargs, message):
+    from slimwise_train.lm_eval.model import SlimwiseLM
+
+    if "cuda" in str(kwargs.get("device")) and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError) as info:
+        SlimwiseLM(pretrained=str(TEACHER), progress=False, **kwargs)
+    assert message in str(info.value)
+
+
+def test_sampling_generation_kwargs_are_refused(assets):
+    lm = _lm(assets, "full")
+    with pytest.raises(ValueError, match="decodes greedily"):
+        lm.generate_until([_Request(("1+1=", {"until": [], "do_sample": True}))])
+    with pytest.raises(ValueError, match="not supported"):
+        lm.generate_until([_Request(("1+1=", {"until": [], "repetition_penalty": 1.2}))])
+
+
+# ------------------------------------------------------------------------------------ hub tasks, local variants
+def _hub_rows(folder: Path) -> dict[str, Path]:
+    rows = {
+        "gsm8k": [{"question": "Tom has 3 apples and buys 4 more. How many apples?",
+                   "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+                  {"question": "A box holds 1,200 pens; 200 are sold. How many are left?",
+                   "answer": "1200 - 200 = 1000\n#### 1,000"}],
+        "math500": [{"problem": "What is $1+1$?", "solution": "$1+1=\\boxed{2}$", "answer": "2",
+                     "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"},
+                    {"problem": "Simplify $\\frac{2}{4}$.", "solution": "$\\boxed{\\frac{1}{2}}$",
+                     "answer": "\\frac{1}{2}", "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/2.json"}],
+        "humaneval": [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Sum of a and b.\"\"\"\n",
+                       "canonical_solution": "    return a + b\n",
+                       "test": "def check(candidate):\n    assert candidate(2, 3) == 5\n", "entry_point": "add"},
+                      {"task_id": "HumanEval/1", "prompt": "def neg(a):\n", "canonical_solution": "    return -a\n",
+                       "test": "def check(candidate):\n    assert candidate(2) == -2\n", "entry_point": "neg"}],
+    }
+    paths = {}
+    for name, items in rows.items():
+        paths[name] = folder / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in items))
+    return paths
+
+
+class _Oracle(LM):
+    """Answers each request with a fixed text (the reference, or a wrong one) to test the tasks' scoring."""
+
+    def __init__(self, answers):
+        super().__init__()
+        self.answers = answers
+
+    def generate_until(self, requests, disable_tqdm=False):
+        return [self.answers(req.doc) for req in requests]
+
+    def loglikelihood(self, requests, disable_tqdm=False):
+        raise NotImplementedError
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        raise NotImplementedError
+
+
+ORACLE = {
+    "gsm8k": lambda doc: "So the answer is " + doc["answer"].split("####")[-1].strip() + ".",
+    "math500": lambda doc: "The answer is $\\boxed{" + doc["answer"] + "}$.",
+    "humaneval": lambda doc: doc["canonical_solution"],
+}
+WRONG = {"gsm8k": lambda doc: "So the answer is 12345.", "math500": lambda doc: "$\\boxed{99}$",
+         "humaneval": lambda doc: "    return None\n"}
+
+
+@pytest.mark.parametrize("task", ["gsm8k", "math500", "humaneval"])
+def test_hub_benchmarks_local_variants_score_references_right_and_wrong_answers_wrong(tmp_path, task):
+    from slimwise_train.lm_eval import task_manager
+
+    paths = _hub_rows(tmp_path)
+    metadata = {"data_files": str(paths[task])}
+    for answers, expected in ((ORACLE[task], 1.0), (WRONG[task], 0.0)):
+        results = lm_eval.simple_evaluate(model=_Oracle(answers), tasks=[f"slimwise_{task}_local"],
+                                          task_manager=task_manager(include_defaults=False, metadata=metadata),
+                                          metadata=metadata, confirm_run_unsafe_code=True)
+        (value,) = [v for k, v in results["results"][f"slimwise_{task}_local"].items()
+                    if "," in k and "stderr" not in k]
+        assert value == expected, (task, answers)
+
+
+def test_humaneval_needs_the_unsafe_code_confirmation(tmp_path):
+    from slimwise_train.lm_eval import task_manager
+
+    metadata = {"data_files": str(_hub_rows(tmp_path)["humaneval"])}
+    with pytest.raises(ValueError, match="unsafe"):
+        lm_eval.simple_evaluate(model=_Oracle(ORACLE["humaneval"]), tasks=["slimwise_humaneval_local"],
+                                task_manager=task_manager(include_defaults=False, metadata=metadata),
+                                metadata=metadata)
+
+
+def test_local_variant_without_data_files_says_how_to_pass_them():
+    from slimwise_train.lm_eval import task_manager
+
+    with pytest.raises(ValueError, match="data_files"):
+        lm_eval.simple_evaluate(model=_Oracle(ORACLE["gsm8k"]), tasks=["slimwise_gsm8k_local"],
+                                task_manager=task_manager(include_defaults=False))
+
+
+def test_hub_variants_point_at_the_hub_datasets():
+    from slimwise_train.lm_eval import TASKS_DIR
+
+    expected = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500", "humaneval": "openai/openai_humaneval"}
+    for task, dataset in expected.items():
+        config = yaml.safe_load((TASKS_DIR / f"slimwise_{task}.yaml").read_text().replace("!function ", ""))
+        assert config["dataset_path"] == dataset and "custom_dataset" not in config
+
+
+# ------------------------------------------------------------------------------------ CLI, Hydra, data parallel
+def _cli(args, tmp_path, launcher=(sys.executable, "-m")):
+    return subprocess.run([*launcher, "slimwise_train.lm_eval", *args], cwd=tmp_path, env=ENV, capture_output=True,
+                          text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_cli_runs_offline_and_writes_lengths_beside_lm_evals_results(assets, tmp_path):
+    out = tmp_path / "out"
+    proc = _cli(["--model", "slimwise", "--model_args",
+                 f"pretrained={TEACHER},keep_set={assets['keep']},mode=slimwise,progress=false",
+                 "--tasks", "slimwise_math,slimwise_code,slimwise_tool", "--limit", "3", "--gen_kwargs",
+                 "max_gen_toks=12", "--output_path", str(out), "--log_samples"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (results_file,) = out.rglob("results_*.json")
+    folder = results_file.parent
+    records = [json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text().splitlines()]
+    assert len(records) == 9 and all(r["budget"] == 12 and r["reference_tokens"] for r in records)
+    summary = json.loads((folder / "slimwise_summary_slimwise_keep.json").read_text())
+    results = json.loads(results_file.read_text())["results"]
+    for family in FAMILIES:
+        assert summary["tasks"][f"slimwise_{family}"]["accuracy"] == results[f"slimwise_{family}"]["acc,none"]
+    assert "| slimwise |" in (folder / "slimwise_report.md").read_text()
+
+
+def test_cli_bad_model_args_is_one_line_with_exit_code_2(tmp_path):
+    proc = _cli(["--model", "slimwise", "--model_args", f"pretrained={TEACHER},mode=slimwise",
+                 "--tasks", "slimwise_math", "--limit", "1"], tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == ("slimwise_train.lm_eval: error: mode=slimwise needs "
+                                                     "keep_set=<keep_set.json> (from python -m slimwise_train.prune)")
+
+
+def test_hydra_configs_still_compose_after_lm_eval_is_installed_and_imported():
+    import antlr4  # noqa: F401  lm-eval[math] would pull antlr4 4.11, which omegaconf/hydra reject
+    from importlib.metadata import version
+
+    import slimwise_train.lm_eval  # noqa: F401
+
+    assert version("antlr4-python3-runtime").startswith("4.9."), version("antlr4-python3-runtime")
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for name in ("train", "prune", "eval"):
+            cfg = compose(name, overrides=["output_dir=/tmp/x"] if name != "train" else [])
+            assert cfg.model.name
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_process_data_parallel_equals_one_process(assets, tmp_path):
+    common = ["--model", "slimwise", "--model_args",
+              f"pretrained={TEACHER},keep_set={assets['keep']},mode=slimwise,progress=false",
+              "--tasks", "slimwise_math,slimwise_tool", "--limit", "5", "--gen_kwargs", "max_gen_toks=16",
+              "--log_samples", "--device", "cpu"]
+    one = _cli([*common, "--output_path", str(tmp_path / "one")], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _cli([*common, "--output_path", str(tmp_path / "two")], tmp_path,
+               launcher=(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                         "--master_port", "29581", "-m"))
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def read(name):
+        (folder,) = {p.parent for p in (tmp_path / name).rglob("results_*.json")}
+        records = sorted((json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text()
+                          .splitlines()), key=lambda r: (r["task"], r["doc_id"]))
+        summary = json.loads((folder / "slimwise_summary_slimwise_keep.json").read_text())
+        return records, summary
+
+    (rec1, sum1), (rec2, sum2) = read("one"), read("two")
+    assert sum2["world_size"] == 2 and sum1["world_size"] == 1
+    strip = lambda rs: [{k: v for k, v in r.items()} for r in rs]  # noqa: E731
+    assert strip(rec1) == strip(rec2) and len(rec1) == 10
+    assert sum1["tasks"] == sum2["tasks"]
