@@ -74,6 +74,19 @@ class PruneConfig:
 
 
 @dataclass
+class TrainableConfig:
+    """distill.trainable: a preset of conf/distill/trainable/ (distill/trainable=<name>) naming what trains beside
+    the always-on tensors (routers, norms, shared expert: the flags in DistillConfig). See distill/lora.py."""
+
+    name: str = "always_on"  # always_on | always_on+lora_experts | always_on+lora_attention
+    lora: Optional[str] = None  # null | experts (fused expert tensors) | attention (q/k/v/o); set by the preset
+    rank: int = 8
+    alpha: float = 16.0  # LoRA scale alpha / rank
+    # experts: fused expert tensor names (gate_up_proj, down_proj); attention: Linear names under self_attn
+    targets: List[str] = field(default_factory=list)
+
+
+@dataclass
 class DistillConfig:
     # loss: ce_weight x CE + kl_weight x KL(teacher || student) over the teacher's top_k + one residual bucket
     ce_weight: float = 0.1
@@ -83,6 +96,10 @@ class DistillConfig:
     chunk_size: int = 1024  # loss rows per chunk (bounded memory at a 152k vocabulary)
     # student: what trains (all three kinds by default)
     shared_expert_intermediate_size: Optional[int] = None  # default: the routed expert size
+    # where the shared expert goes: native = extra columns of the family's own shared slot (exports as the stock
+    # class) | new = a new expert beside the routed ones (exports with remote code) | auto = native where the family
+    # has a slot (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, Gemma 4), else new
+    shared_expert_mode: str = "auto"
     train_routers: bool = True
     train_norms: bool = True
     norm_scope: str = "all"  # all: every RMSNorm with a weight (incl. q/k norms) | layer: decoder-layer norms + final
@@ -119,6 +136,7 @@ class DistillConfig:
     keep_checkpoints: int = 2
     export: bool = True  # write export/ (HF checkpoint) and student_trainable.safetensors at the end
     check_frozen: bool = True  # hash every frozen tensor at start and end (and on resume); costs one pass over them
+    trainable: TrainableConfig = field(default_factory=TrainableConfig)  # LoRA presets (conf/distill/trainable/)
 
 
 @dataclass

@@ -23,6 +23,7 @@ from slimwise_train.distill.student import (
     NORM_DELTA,
     ROUTER_DELTA,
     SHARED_EXPERT,
+    SLOT_COLUMNS,
     DistillModel,
     StudentSpec,
     find_norms,
@@ -107,17 +108,17 @@ def test_only_routers_norms_and_shared_experts_train(model_type):
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters()}
     student = DistillModel(model, _keep(model))
     names = [n for n, _ in student.trainable_named_parameters()]
-    kinds = {ROUTER_DELTA: 0, NORM_DELTA: 0, SHARED_EXPERT: 0}
+    kinds = {ROUTER_DELTA: 0, NORM_DELTA: 0, SHARED_EXPERT: 0, SLOT_COLUMNS: 0}  # native mode: SLOT_COLUMNS
     for name in names:
         hits = [k for k in kinds if k in name]
         assert len(hits) == 1, name
         kinds[hits[0]] += 1
     moes = get_adapter(model).moe_layers(model)
     assert kinds[ROUTER_DELTA] == len(moes) * (2 if model_type == "gpt_oss" else 1)  # GPT-OSS: weight + bias
-    assert kinds[SHARED_EXPERT] == 3 * len(moes)
+    assert kinds[SHARED_EXPERT] + kinds[SLOT_COLUMNS] == 3 * len(moes)
     assert kinds[NORM_DELTA] == len(find_norms(model, "all")) > 0
     for moe in moes:  # default shared-expert size = routed expert size; down projection starts at zero
-        shared = getattr(moe.block, SHARED_EXPERT)
+        shared = student.trainable_shared_expert(moe)
         assert shared.down_proj.weight.shape[1] == routed_expert_size(model)
         assert not shared.down_proj.weight.any()
     counts = student.parameter_counts()
@@ -132,7 +133,8 @@ def test_only_routers_norms_and_shared_experts_train(model_type):
             assert p.grad is not None and torch.isfinite(p.grad).all(), name
         else:
             assert p.grad is None, name
-    assert any(p.grad.abs().sum() > 0 for n, p in student.trainable_named_parameters() if SHARED_EXPERT in n)
+    assert any(p.grad.abs().sum() > 0 for n, p in student.trainable_named_parameters()
+               if SHARED_EXPERT in n or SLOT_COLUMNS in n)
 
 
 def test_student_spec_switches_and_shared_expert_size():
@@ -173,15 +175,16 @@ for name in sys.argv[2:]:
 
 
 def test_exported_decoder_reloads_in_a_fresh_process(tmp_path):
-    """Export (folded routers/norms, pruned experts, shared expert), reload with no state from this process, and
-    reproduce the student's continuation on the teacher's cache. Three families cover the layouts: plain
-    attention, sliding window + MoE on the decoder layer (Gemma 4), hybrid linear attention (Qwen3-Next)."""
+    """Export (folded routers/norms, pruned experts, a new shared expert), reload with no state from this process,
+    and reproduce the student's continuation on the teacher's cache. Three families cover the layouts: plain
+    attention, sliding window + MoE on the decoder layer (Gemma 4), hybrid linear attention (Qwen3-Next). (The
+    shared expert in the family's own slot: tests/test_native_slot.py.)"""
     expected = {}
     names = ["qwen3_moe", "gemma4_text", "qwen3_next"]
     for name in names:
         model = tiny_model(name)
         model.save_pretrained(tmp_path / name / "teacher")
-        student = DistillModel(model, _keep(model))
+        student = DistillModel(model, _keep(model), StudentSpec(shared_expert_mode="new"))
         _perturb(student)
         ids = _ids(seed=3)
         torch.save(ids, tmp_path / name / "ids.pt")
@@ -242,15 +245,15 @@ assert not any(m.startswith("slimwise_train") for m in sys.modules), "the export
 
 
 def test_every_family_export_loads_with_trust_remote_code_and_no_project_import(tmp_path):
-    """The export carries its own modeling file and auto_map: a process that never imports slimwise_train loads it
-    with `trust_remote_code=True` and reproduces the registered class's logits; without it, transformers refuses
-    with a message that names trust_remote_code."""
+    """The export with a new shared expert carries its own modeling file and auto_map: a process that never
+    imports slimwise_train loads it with `trust_remote_code=True` and reproduces the registered class's logits;
+    without it, transformers refuses with a message that names trust_remote_code."""
     from transformers import AutoModelForCausalLM
 
     expected = {}
     for name in SUPPORTED_TINY:
         model = tiny_model(name)
-        student = DistillModel(model, _keep(model))
+        student = DistillModel(model, _keep(model), StudentSpec(shared_expert_mode="new"))
         _perturb(student)
         export_student(student, tmp_path / name / "export")
         ids = _ids(seed=5)

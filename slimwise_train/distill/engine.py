@@ -382,6 +382,11 @@ class DeepSpeedZeroEngine:
         self.trainable_names = [n for n, _ in names]
         config = config or deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device, _hidden_size(module))
         schedule = lr_lambda(int(distill_cfg.warmup_steps), int(distill_cfg.max_steps), float(distill_cfg.min_lr_ratio))
+        if self.stage == 3 and getattr(module, "lora", None) is not None:
+            # Expert LoRA (distill/lora.py) reads its factors and the fused expert tensor outside those modules' own
+            # forwards: ZeRO-3 gathers each wrapper whole, as one leaf, around its forward.
+            for leaf in module.lora.zero3_leaves:
+                deepspeed.utils.set_z3_leaf_module(leaf, True)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=module,
             model_parameters=[p for _, p in names],

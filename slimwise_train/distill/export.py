@@ -7,17 +7,24 @@ Two artefacts, written atomically by rank 0 at the end of training:
   of the teacher; this is the small file to ship when the teacher is already deployed (co-located serving).
 * `export/`: a Hugging Face checkpoint of the decode model alone: the kept experts (physically pruned), the routers
   and norms with the trained deltas folded in (W + dW, w + dw), and the shared experts. It expects the teacher's
-  KV cache for the prompt (`handoff.handoff_generate(teacher, exported, ...)`), exactly as trained.
+  KV cache for the prompt (`handoff.handoff_generate(teacher, exported, ...)`), exactly as trained. LoRA
+  (distill.trainable, lora.py) is merged into the kept experts / attention weights (W + s B A); its co-located
+  form, a peft adapter folder (`adapter/`), is `lora.export_adapter`.
 
 Architecture of the exported checkpoint:
   * without a shared expert (distill.train_shared_expert=false) it is the stock class (`AutoModelForCausalLM`, no
     project code), like `pruning.export_pruned`;
-  * with one, no stock class has an ungated shared expert in the right place for every family, so it is a
-    registered architecture: model_type `slimwise_<base model_type>`, class `Slimwise<StockClass>`, which is the
-    stock class plus one `SharedExpert` per MoE block (`<block>.slimwise_shared_expert`, added to the routed
-    experts' output). The folder is self-describing: `modeling_slimwise.py` (transformers and torch only, no
-    project import) and an `auto_map` in config.json, so `AutoModelForCausalLM.from_pretrained(path,
-    trust_remote_code=True)` loads it anywhere; without trust_remote_code transformers says so in one message.
+  * with the shared expert in the family's own slot (distill.shared_expert_mode=native; the default where there is
+    one) it is the stock class too: the slot's trained extra columns are concatenated into its weights (gate/up
+    rows, down columns) and the adapter's config field grows to match (`shared_expert_intermediate_size`,
+    DeepSeek-V3's `n_shared_experts`, Gemma 4's `intermediate_size`), so any engine that loads the family loads it;
+  * with a new shared expert (shared_expert_mode=new: the families without a slot), no stock class has an
+    ungated shared expert in the right place for every family, so it is a registered architecture: model_type
+    `slimwise_<base model_type>`, class `Slimwise<StockClass>`, which is the stock class plus one `SharedExpert`
+    per MoE block (`<block>.slimwise_shared_expert`, added to the routed experts' output). The folder is
+    self-describing: `modeling_slimwise.py` (transformers and torch only, no project import) and an `auto_map` in
+    config.json, so `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` loads it anywhere;
+    without trust_remote_code transformers says so in one message.
     `import slimwise_train.distill.export` registers the same classes, so in-project code needs neither.
     Expert tensors are stored in the stock on-disk layout (the stock conversion mapping is registered too).
 """
@@ -42,11 +49,13 @@ from slimwise_train.distill.student import (
     NORM_DELTA,
     ROUTER_DELTA,
     SHARED_EXPERT,
+    SLOT_COLUMNS,
     DistillModel,
     SharedExpert,
     StudentSpec,
     text_config,
 )
+from slimwise_train.distill.lora import merge_lora_
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.pruning import check_exportable, prune_experts_
 from slimwise_train.utils.atomic import atomic_dir, atomic_path
@@ -217,7 +226,8 @@ def load_student(teacher: torch.nn.Module, path: str | os.PathLike) -> DistillMo
             raise ValueError(f"{path} is not a slimwise student file (format {meta.get('format')!r})")
         state = {k: handle.get_tensor(k) for k in handle.keys()}
     keep_set = KeepSet.from_dict(json.loads(meta["keep_set"]))
-    spec = StudentSpec(**json.loads(meta["spec"]))
+    # Files written before shared_expert_mode existed trained a new shared expert.
+    spec = StudentSpec(**{"shared_expert_mode": "new", **json.loads(meta["spec"])})
     student = DistillModel(teacher, keep_set, spec)
     names = {n for n, _ in student.trainable_named_parameters()}
     if names != set(state):
@@ -239,9 +249,32 @@ def _strip_hooks(model: torch.nn.Module, handle_ids: set[int]) -> None:
                 del hooks[key]
 
 
+def _fold_slot_columns(model: torch.nn.Module) -> None:
+    """Native mode: concatenate every slot's trained extra columns into its weights and grow the config field the
+    stock class builds the slot from, so `model` is the stock class with a wider slot."""
+    adapter = get_adapter(model)
+    widths = set()
+    for moe in adapter.moe_layers(model):
+        columns = adapter.native_slot(moe)._modules.pop(SLOT_COLUMNS)
+        adapter.widen_native_slot_(moe, columns.gate_proj.weight, columns.up_proj.weight, columns.down_proj.weight)
+        widths.add(columns.down_proj.in_features)
+    assert len(widths) == 1, widths  # one spec size for every layer
+    config = text_config(model)
+    for key, value in adapter.widened_slot_config(config, widths.pop()).items():
+        setattr(config, key, value)
+    # The stock class built from the grown config must have exactly these shapes, or from_pretrained would refuse
+    # (or worse, silently re-initialise) the checkpoint; building it on the meta device costs no memory.
+    with torch.device("meta"):
+        stock = type(model)(copy.deepcopy(model.config))
+    expected = {k: tuple(v.shape) for k, v in stock.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert got == expected, sorted(set(got.items()) ^ set(expected.items()))[:4]
+
+
 def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Module:
     """A copy of the student as one plain model: deltas folded into the routers and norms (W + dW, w + dw),
-    shared experts kept as children, removed experts sliced out. The student is left untouched."""
+    removed experts sliced out, the shared expert folded into the family's slot (native mode, the stock class) or
+    kept as a child (new mode). The student is left untouched."""
     # in_place: the student was built only to be exported (a ZeRO-3 run rebuilds it on a fresh teacher): fold into
     # its own model instead of a second copy of every weight.
     model = student.model if in_place else copy.deepcopy(student.model)
@@ -250,6 +283,7 @@ def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Mo
         base = getattr(type(module), "_slimwise_recompute_base", None)
         if base is not None:
             module.__class__ = base
+    merge_lora_(model)  # distill.trainable LoRA: W + s B A into the expert / attention weights, stock modules back
     with torch.no_grad():
         for module in list(model.modules()):
             delta = module._modules.pop(ROUTER_DELTA, None)
@@ -264,7 +298,9 @@ def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Mo
     check_exportable(adapter, model, student.keep_set)
     pad_to = None if student.keep_set.is_uniform else max(student.keep_set.num_kept)
     prune_experts_(model, student.keep_set, pad_to=pad_to)
-    for moe in adapter.moe_layers(model):  # the copy's shared experts run always (as in the registered class)
+    if student.spec.train_shared_expert and student.spec.shared_expert_mode == "native":
+        _fold_slot_columns(model)
+    for moe in adapter.moe_layers(model):  # the copy's new shared experts run always (as in the registered class)
         shared = getattr(moe.block, SHARED_EXPERT, None)
         if shared is not None:
             moe.experts.register_forward_hook(_add_shared_expert(shared))
@@ -277,7 +313,8 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
     model = folded_decoder(student, in_place=in_place)
     config = text_config(model)
     base_model_type = config.model_type
-    shared = student.spec.train_shared_expert
+    # A new shared expert needs the registered architecture; a native one was folded into the stock slot.
+    shared = student.spec.train_shared_expert and student.spec.shared_expert_mode == "new"
     if shared:
         config_cls, model_cls = REGISTERED[base_model_type]
         shared_expert = getattr(student.moe_layers[0].block, SHARED_EXPERT)
@@ -311,6 +348,7 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
                  else "AutoModelForCausalLM.from_pretrained(path)"),
         "prefill": "the unpruned teacher prefills the prompt; this model decodes on its KV cache",
         "num_kept": list(student.keep_set.num_kept),
+        "shared_expert": student.spec.shared_expert_mode if student.spec.train_shared_expert else None,
     }
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:

@@ -15,10 +15,21 @@ hooks call them (as modules, so ZeRO-3 gathers their parameters; see engine.py) 
                  the plain (x_hat * w) and the zero-centred (x_hat * (1 + w): Qwen3-Next, Qwen3.5) forms alike, so
                  student out = stock out + x_hat * dw is the norm with weight w + dw. Norms before attention change
                  the K/V of the continuation tokens only; the prefix cache stays the teacher's (the SlimWise design).
-* shared expert  `SharedExpert` (gated MLP in the family's activation, down projection zero) under the MoE block;
-                 its output is added to the routed experts' output (hook on `experts`, input [T, H] -> [T, H]), so it
-                 sits inside Gemma 4's post_feedforward_layernorm_2 like the routed experts. GPT-OSS experts are a
-                 clamped SwiGLU with biases; its shared expert is a plain SwiGLU (documented deviation).
+* shared expert  `SharedExpert` (gated MLP in the family's activation, down projection zero), placed by
+                 `StudentSpec.shared_expert_mode`:
+                 - native (the default, `auto`, where the family has a slot of its own: Qwen2-MoE / Qwen3-Next /
+                   Qwen3.5-MoE `shared_expert`, DeepSeek-V3 `shared_experts`, Gemma 4's dense `mlp`): extra
+                   intermediate columns of that slot, under it as `slimwise_slot_columns`; a hook adds their output
+                   to the slot's, which is exactly the slot widened by those columns (for Qwen before the sigmoid
+                   shared_expert_gate multiplies it, so the columns sit inside the gate). The export concatenates
+                   them into the slot: the stock class with a larger config width (export.py).
+                 - new (families without a slot): a new expert under the MoE block whose output is added to the
+                   routed experts' output (hook on `experts`, input [T, H] -> [T, H]), so it sits inside Gemma 4's
+                   post_feedforward_layernorm_2 like the routed experts. GPT-OSS experts are a clamped SwiGLU with
+                   biases; its shared expert is a plain SwiGLU (documented deviation). Exports with remote code.
+
+Optionally (`StudentSpec.lora`, distill.trainable) peft LoRA wraps the fused expert tensors or the attention
+projections in place; its layers are on in the student phase only (lora.py).
 
 At init every delta is exactly zero and x + 0 == x in floating point, so the untrained student's logits equal the
 masked model's bit for bit (tests/test_student.py checks all families). In the teacher phase every hook returns
@@ -30,14 +41,15 @@ Shapes: T tokens (batch*seq flattened), H hidden, E routed experts, I shared-exp
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from slimwise_train.moe.adapters import MoEAdapter, MoELayer, get_adapter
+from slimwise_train.distill.lora import StudentLora, lora_from_config
+from slimwise_train.moe.adapters import NATIVE_SLOT_FAMILIES, MoEAdapter, MoELayer, get_adapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.distributed import full_shape
 
@@ -46,6 +58,9 @@ PHASES = ("teacher", "student")
 ROUTER_DELTA = "slimwise_router_delta"
 NORM_DELTA = "slimwise_norm_delta"
 SHARED_EXPERT = "slimwise_shared_expert"
+SLOT_COLUMNS = "slimwise_slot_columns"  # native mode: the extra columns of the family's own shared slot
+# auto: native where the family has a slot of its own, else new
+SHARED_EXPERT_MODES = ("auto", "native", "new")
 NORM_SCOPES = ("all", "layer")
 RECOMPUTE = ("none", "moe", "layer")
 # Cache layers that a recomputed decoder layer can rewind (their update reassigns tensors; linear-attention state is
@@ -63,8 +78,10 @@ class StudentSpec:
     norm_scope: str = "all"
     train_shared_expert: bool = True
     shared_expert_intermediate_size: int | None = None  # None: the routed expert size
+    shared_expert_mode: str = "auto"  # auto | native | new (see the module docstring); DistillModel resolves auto
     init_std: float = 0.02  # gate/up projections of the new shared expert
     seed: int = 0  # the shared expert init is drawn from its own generator, identical on every rank
+    lora: dict | None = None  # distill.trainable's LoRA (lora.py): kind (experts | attention), rank, alpha, targets
 
     @classmethod
     def from_config(cls, distill_cfg, seed: int = 0) -> "StudentSpec":
@@ -74,7 +91,9 @@ class StudentSpec:
             norm_scope=str(distill_cfg.norm_scope),
             train_shared_expert=bool(distill_cfg.train_shared_expert),
             shared_expert_intermediate_size=distill_cfg.shared_expert_intermediate_size,
+            shared_expert_mode=str(distill_cfg.shared_expert_mode),
             seed=seed,
+            lora=lora_from_config(distill_cfg.get("trainable")),
         )
 
 
@@ -145,6 +164,18 @@ def routed_expert_size(model) -> int:
 def activation_name(model) -> str:
     config = text_config(model)
     return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "silu"
+
+
+def resolve_shared_expert_mode(adapter: MoEAdapter, mode: str) -> str:
+    """`native` or `new` for this family: auto picks native where the family has a slot of its own."""
+    if mode not in SHARED_EXPERT_MODES:
+        raise ValueError(f"unknown distill.shared_expert_mode {mode!r}; use one of {', '.join(SHARED_EXPERT_MODES)}")
+    if mode == "auto":
+        return "native" if adapter.has_native_slot else "new"
+    if mode == "native" and not adapter.has_native_slot:
+        raise ValueError(f"distill.shared_expert_mode=native: {adapter.family} has no shared-expert slot of its own "
+                         f"(only {', '.join(NATIVE_SLOT_FAMILIES)} do); use distill.shared_expert_mode=new or auto")
+    return mode
 
 
 def norm_eps(module: nn.Module) -> float:
@@ -253,6 +284,8 @@ class DistillModel(nn.Module):
         super().__init__()
         spec = spec or StudentSpec()
         self.adapter = adapter or get_adapter(model)
+        # The resolved mode (never auto) is what save_trainable records, so load_student rebuilds the same layout.
+        spec = replace(spec, shared_expert_mode=resolve_shared_expert_mode(self.adapter, spec.shared_expert_mode))
         keep_set.check_model(model, self.adapter)
         if not (spec.train_routers or spec.train_norms or spec.train_shared_expert):
             raise ValueError("nothing to train: distill.train_routers, train_norms and train_shared_expert are all false")
@@ -266,10 +299,18 @@ class DistillModel(nn.Module):
         # Trainable tensors are created in fp32 (master weights under engine=torch; a DeepSpeed bf16 engine casts the
         # module and keeps its own fp32 copies). The hooks cast them to the activations' dtype.
         dtype, device = torch.float32, next(model.parameters()).device
+        # LoRA (distill.trainable) wraps expert or attention modules in place, before the MoE views are taken: hooks
+        # and recompute then see `moe.experts` as the outermost wrapper. Its layers are on in the student phase only.
+        self.lora = StudentLora(model, self.adapter, spec.lora, lambda: self.phase == "student") if spec.lora else None
+        self._handles += self.lora.handles if self.lora else []
         self.moe_layers = self.adapter.moe_layers(model)
         self.removed = {m.layer_index: keep_set.layer(m.layer_index).removed_mask(device) for m in self.moe_layers}
         generator = torch.Generator(device="cpu").manual_seed(spec.seed)
         hidden = text_config(model).hidden_size
+        shared_size = int(spec.shared_expert_intermediate_size or routed_expert_size(model))
+        native = spec.train_shared_expert and spec.shared_expert_mode == "native"
+        if native:  # fail here, not at export, when the family's config cannot express the wider slot
+            self.adapter.widened_slot_config(text_config(model), shared_size)
         for moe in self.moe_layers:
             target = self.adapter.mask_hook_target(moe)
             if spec.train_routers:
@@ -278,14 +319,18 @@ class DistillModel(nn.Module):
             # prepend=True: transformers' output_router_logits capture hooks must see the student's logits.
             self._handles.append(target.register_forward_hook(self._router_hook(moe), prepend=True))
             if spec.train_shared_expert:
-                size = spec.shared_expert_intermediate_size or routed_expert_size(model)
-                shared = SharedExpert(hidden, int(size), activation_name(model), dtype, device)
+                shared = SharedExpert(hidden, shared_size, activation_name(model), dtype, device)
                 with torch.no_grad():
                     for proj in (shared.gate_proj, shared.up_proj):
                         proj.weight.copy_(torch.randn(proj.weight.shape, generator=generator) * spec.init_std)
                     shared.down_proj.weight.zero_()
-                moe.block.add_module(SHARED_EXPERT, shared)
-                self._handles.append(moe.experts.register_forward_hook(self._experts_hook(moe.block)))
+                if native:
+                    slot = self.adapter.native_slot(moe)
+                    slot.add_module(SLOT_COLUMNS, shared)
+                    self._handles.append(slot.register_forward_hook(self._slot_hook))
+                else:
+                    moe.block.add_module(SHARED_EXPERT, shared)
+                    self._handles.append(moe.experts.register_forward_hook(self._experts_hook(moe.block)))
         self._recomputed: list[_Recompute] = []
         self._install_recompute(recompute)
         self.norm_names: list[str] = []
@@ -355,6 +400,12 @@ class DistillModel(nn.Module):
 
         return hook
 
+    def _slot_hook(self, module, args, output):
+        if self.phase != "student":
+            return None
+        # slot(x) + columns(x) is the slot widened by the columns: its down projection sums over both sets.
+        return output + getattr(module, SLOT_COLUMNS)(args[0])
+
     def _norm_hook(self, module, args, output):
         if self.phase != "student":
             return None
@@ -384,7 +435,7 @@ class DistillModel(nn.Module):
 
     def parameter_counts(self) -> dict[str, int]:
         """Counts by kind, plus the frozen total; share = trainable / all parameters of the one module."""
-        counts = {"router": 0, "norm": 0, "shared_expert": 0}
+        counts = {"router": 0, "norm": 0, "shared_expert": 0, "lora": 0}
         frozen = 0
         for name, param in self.named_parameters():
             n = param.ds_numel if hasattr(param, "ds_numel") else param.numel()  # ZeRO-3 partitions in place
@@ -394,12 +445,23 @@ class DistillModel(nn.Module):
                 counts["router"] += n
             elif NORM_DELTA in name:
                 counts["norm"] += n
-            elif SHARED_EXPERT in name:
+            elif SHARED_EXPERT in name or SLOT_COLUMNS in name:
                 counts["shared_expert"] += n
+            elif "lora_" in name:  # peft's lora_A / lora_B (lora.py)
+                counts["lora"] += n
             else:
                 raise AssertionError(f"unexpected trainable parameter {name}")
         trainable = sum(counts.values())
         return {**counts, "trainable": trainable, "frozen": frozen, "total": trainable + frozen}
+
+    def trainable_shared_expert(self, moe: MoELayer) -> SharedExpert | None:
+        """The shared capacity this student trains in one MoE layer (any view of it, e.g. a fresh
+        `adapter.moe_layers`): the new expert or the slot's extra columns; None without one."""
+        if not self.spec.train_shared_expert:
+            return None
+        if self.spec.shared_expert_mode == "native":
+            return getattr(self.adapter.native_slot(moe), SLOT_COLUMNS)
+        return getattr(moe.block, SHARED_EXPERT)
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -35,6 +35,7 @@ from slimwise_train.config import TrainAppConfig, check_known_keys, to_container
 from slimwise_train.distill import batches as B
 from slimwise_train.distill.checkpoint import gather_objects, load_checkpoint, resolve_resume, save_checkpoint
 from slimwise_train.distill.engine import build_engine, partitioned_loading, validate_engine_config
+from slimwise_train.distill.lora import lora_from_config
 from slimwise_train.distill.losses import KL_LOSSES, distill_loss
 from slimwise_train.distill.metrics import LOGGERS, build_sink
 from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
@@ -72,6 +73,7 @@ def validate_train_config(cfg) -> None:
         raise ValueError(f"unknown logger {cfg.logger.name!r}; use one of {', '.join(LOGGERS)}")
     validate_engine_config(cfg.engine, d)
     B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
+    lora_from_config(d.trainable)  # a bad distill.trainable preset or override fails before the model loads
 
 
 def _digest(tensors) -> str:
@@ -136,9 +138,10 @@ class Trainer:
         # the engine can gather the parameters.
         self.frozen_digest = (self._frozen_digest() if cfg.distill.check_frozen and self.loading is None else None)
         log.info(
-            "trainable parameters: %d of %d (%.3f%%): routers %d, norms %d (%d modules), shared experts %d",
+            "trainable parameters: %d of %d (%.3f%%): routers %d, norms %d (%d modules), shared experts %d, LoRA %d",
             self.counts["trainable"], self.counts["total"], 100 * self.counts["trainable"] / self.counts["total"],
             self.counts["router"], self.counts["norm"], len(self.student.norm_names), self.counts["shared_expert"],
+            self.counts["lora"],
         )
 
         # ---- data
@@ -586,6 +589,10 @@ class Trainer:
             student = load_student(teacher, path)
         else:
             student = self.student
+        if spec.lora:  # co-located serving: a peft adapter folder (first: an in-place export merges the LoRA away)
+            from slimwise_train.distill.lora import export_adapter
+
+            export_adapter(student, self.output_dir / "adapter", tokenizer=self.tokenizer)
         export_student(student, self.output_dir / "export", tokenizer=self.tokenizer, overwrite=True,
                        in_place=student is not self.student)  # a rebuilt student: no second copy of the weights
         log.info("exported the distilled decoder to %s", self.output_dir / "export")

@@ -52,7 +52,7 @@ class LayerShape:
     dense_mlp_size: int = 0  # a dense MLP beside or instead of the experts (Gemma 4, DeepSeek's dense layers)
     stock_shared_size: int = 0  # the checkpoint's own shared expert (Qwen2/3.5/Next gated, DeepSeek ungated)
     stock_shared_gated: bool = False
-    student_shared_size: int = 0  # the student's new shared expert
+    student_shared_size: int = 0  # the student's trained shared expert (new, or extra columns of the stock one)
     params: int = 0  # every parameter of the decoder layer (frozen + the student's)
 
 
@@ -178,7 +178,6 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
     from transformers import AutoModelForCausalLM
 
     from slimwise_train.distill.student import (
-        SHARED_EXPERT,
         DistillModel,
         StudentSpec,
         find_norms,
@@ -216,8 +215,8 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
             shape.moe, shape.experts, shape.top_k = True, int(moe.num_experts), int(moe.top_k)
             shape.expert_size = int(routed_expert_size(model))
             shape.expert_params = expert_params[index]
-            shared = getattr(moe.block, SHARED_EXPERT, None)
-            shape.student_shared_size = _mlp_size(shared)
+            # The trained shared capacity: a new expert, or extra columns of the family's own slot (native mode)
+            shape.student_shared_size = _mlp_size(student.trainable_shared_expert(moe))
             if moe.shared_expert is not None:
                 shape.stock_shared_size = _mlp_size(moe.shared_expert)
                 shape.stock_shared_gated = moe.shared_expert_gate is not None

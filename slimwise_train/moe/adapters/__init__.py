@@ -9,6 +9,8 @@ from slimwise_train.moe.adapters.families import ADAPTERS
 
 _BY_MODEL_TYPE: dict[str, type[MoEAdapter]] = {mt: cls for cls in ADAPTERS for mt in cls.model_types}
 SUPPORTED_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS)
+# Families with an always-on MLP of their own beside the experts, where new shared capacity stays the stock class.
+NATIVE_SLOT_FAMILIES: tuple[str, ...] = tuple(cls.family for cls in ADAPTERS if cls.native_slot_key is not None)
 
 
 def model_type_of(model_or_config) -> str:
@@ -38,4 +40,5 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return get_adapter(model).moe_layers(model)
 
 
-__all__ = ["MoEAdapter", "MoELayer", "RouterOutput", "SUPPORTED_FAMILIES", "get_adapter", "moe_layers", "model_type_of"]
+__all__ = ["MoEAdapter", "MoELayer", "RouterOutput", "SUPPORTED_FAMILIES", "NATIVE_SLOT_FAMILIES", "get_adapter",
+           "moe_layers", "model_type_of"]

@@ -1,15 +1,18 @@
 """The one interface behind which all per-architecture MoE knowledge lives.
 
 Shape legend: T tokens (batch*seq flattened), E experts in a layer, K experts chosen per token (top-k),
-H hidden size.
+H hidden size, I a native slot's intermediate size, X extra intermediate columns.
 
-An adapter answers four questions about a model family:
+An adapter answers five questions about a model family:
   * where the MoE layers, routers, fused expert tensors and shared experts are (`moe_layers`);
   * how the router turns logits into (weights, indices), so it can be redone with removed experts
     excluded *before* the top-k (`reroute`), which is what makes masking equal to physical pruning;
   * what the router's per-expert probabilities are, for calibration statistics (`router_probs`);
   * which tensors carry an expert dimension and which config key counts experts (`expert_tensors`,
-    `num_experts_key`), so physical pruning is generic.
+    `num_experts_key`), so physical pruning is generic;
+  * whether the family has its own always-on MLP beside the experts (a "native slot" for shared capacity), and
+    how that slot and its config field grow by extra intermediate columns (`native_slot`, `widen_native_slot_`,
+    `widened_slot_config`).
 Nothing here knows about phases, training or parallelism.
 """
 
@@ -115,6 +118,43 @@ class MoEAdapter:
 
     def describe(self, moe: MoELayer) -> str:
         return f"layer {moe.layer_index}: {moe.num_experts} experts, top-{moe.top_k}"
+
+    # ------------------------------------------------------------------ native shared slot
+    # The family's own always-on MLP beside the routed experts (Qwen's gated shared expert, DeepSeek-V3's shared
+    # experts, Gemma 4's dense MLP) is where new shared capacity can go so that the result is still the stock class:
+    # extra intermediate columns there export as a wider slot and a larger config value. `native_slot_key` is the
+    # config field that sets the slot's width; None: the family has no slot.
+    native_slot_key: str | None = None
+
+    @property
+    def has_native_slot(self) -> bool:
+        return self.native_slot_key is not None
+
+    def native_slot(self, moe: MoELayer) -> nn.Module:
+        """The slot of one MoE layer: a bias-free gated MLP down(act(gate(x)) * up(x)) with `gate_proj`, `up_proj`
+        (weights [I, H]) and `down_proj` ([H, I]), whose output joins the routed experts' (for Qwen, after the
+        sigmoid `shared_expert_gate`: columns added to this module's output sit inside the gate)."""
+        assert self.has_native_slot and moe.shared_expert is not None, f"{self.family} has no native slot"
+        return moe.shared_expert
+
+    def widened_slot_config(self, config, extra: int) -> dict[str, int]:
+        """{config field: new value} of the (text) config under which the stock class builds every MoE layer's slot
+        `extra` intermediate columns wider. ValueError when the family's config cannot express that width."""
+        return {self.native_slot_key: int(getattr(config, self.native_slot_key)) + int(extra)}
+
+    def widen_native_slot_(self, moe: MoELayer, gate_XH: torch.Tensor, up_XH: torch.Tensor,
+                           down_HX: torch.Tensor) -> None:
+        """Append X intermediate columns to the slot in place: gate/up weights [I, H] -> [I+X, H] (new rows last),
+        down weight [H, I] -> [H, I+X]. The result computes slot(x) + down_HX act(gate_XH x) * up_XH x."""
+        slot = self.native_slot(moe)
+        for proj, extra, dim in ((slot.gate_proj, gate_XH, 0), (slot.up_proj, up_XH, 0), (slot.down_proj, down_HX, 1)):
+            weight = proj.weight
+            widened = torch.cat([weight, extra.to(weight)], dim=dim)
+            proj.weight = nn.Parameter(widened, requires_grad=weight.requires_grad)
+        width = slot.gate_proj.weight.shape[0]
+        slot.gate_proj.out_features = slot.up_proj.out_features = slot.down_proj.in_features = width
+        if hasattr(slot, "intermediate_size"):
+            slot.intermediate_size = width
 
 
 def softmax_topk_route(

@@ -53,6 +53,8 @@ class Qwen2MoeAdapter(SoftmaxTopKAdapter):
     model_types = ("qwen2_moe",)
     shared_expert_attr = "shared_expert"
     shared_expert_gate_attr = "shared_expert_gate"
+    # block output = experts + sigmoid(shared_expert_gate(x)) * shared_expert(x); the slot is `shared_expert`
+    native_slot_key = "shared_expert_intermediate_size"
 
 
 class Qwen3NextAdapter(Qwen2MoeAdapter):
@@ -85,6 +87,19 @@ class DeepseekV3Adapter(SoftmaxTopKAdapter):
     num_experts_key = "n_routed_experts"
     shared_expert_attr = "shared_experts"
     supports_non_uniform_export = True  # padded experts get e_score_correction_bias = -inf (n_group == 1 only)
+    # `shared_experts` is ONE ungated MLP of width moe_intermediate_size x n_shared_experts
+    native_slot_key = "n_shared_experts"
+
+    def widened_slot_config(self, config, extra):
+        # The slot grows in whole experts: X extra columns are X / moe_intermediate_size more shared experts.
+        expert = int(config.moe_intermediate_size)
+        if extra % expert:
+            raise ValueError(
+                f"deepseek_v3 adds shared experts whole: distill.shared_expert_intermediate_size={extra} is not a "
+                f"multiple of moe_intermediate_size={expert} (use a multiple, null for one more expert, or "
+                "distill.shared_expert_mode=new)"
+            )
+        return {"n_shared_experts": int(config.n_shared_experts) + extra // expert}
 
     def reroute(self, moe, output, removed):
         router = moe.router
@@ -159,6 +174,16 @@ class Gemma4Adapter(MoEAdapter):
 
     family = "gemma4"
     model_types = ("gemma4_text", "gemma4")
+    # layer output = post_ffn_norm_1(mlp(x)) + post_ffn_norm_2(experts(...)); the slot is the dense `mlp`
+    native_slot_key = "intermediate_size"
+
+    def widened_slot_config(self, config, extra):
+        # KV-shared layers of a double-wide config build their MLP 2 x intermediate_size wide, so no one value of
+        # intermediate_size widens every layer by the same X columns.
+        if getattr(config, "use_double_wide_mlp", False) and getattr(config, "num_kv_shared_layers", 0):
+            raise ValueError("gemma4 with use_double_wide_mlp and KV-shared layers cannot widen its dense MLP "
+                             "uniformly; use distill.shared_expert_mode=new")
+        return super().widened_slot_config(config, extra)
 
     def layer_view(self, index, layer, model):
         if not getattr(layer, "enable_moe_block", False):
