@@ -5,7 +5,9 @@ outputs/demo/report.md:
   1. score experts with REAP and prune 50%      python -m slimwise_train.prune
   2. distill the pruned decoder (2 ranks, ZeRO-2) torchrun --nproc_per_node 2 -m slimwise_train engine=zero2
   3. evaluate full / conventional / SlimWise / reverse / SlimWise+distill   python -m slimwise_train.eval
-Environment knobs (for quick looks; the defaults are the demo): DEMO_STEPS, DEMO_EVAL_N, DEMO_RATIO, DEMO_TEACHER.
+  4. decode-step speedup of the keep set at batch 64        python -m slimwise_train.bench decode
+Environment knobs (for quick looks; the defaults are the demo): DEMO_STEPS, DEMO_EVAL_N, DEMO_RATIO, DEMO_TEACHER,
+DEMO_BENCH=0 (skip step 4: the speedup then comes from the expert-bytes model, labelled as such).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ EVAL_N = int(os.environ.get("DEMO_EVAL_N", 200))
 RATIO = os.environ.get("DEMO_RATIO", "0.5")
 TEACHER = os.environ.get("DEMO_TEACHER")  # another teacher folder (default: the shipped one)
 MODEL = ["model=teacher"] + ([f"model.path={TEACHER}"] if TEACHER else [])
+BENCH = os.environ.get("DEMO_BENCH", "1") != "0"
+BATCH = 64
+# mode -> (prefill pool, decode pool): which pool's decode step the mode pays for
+POOLS = {"full": ("full", "full"), "conventional": ("pruned", "pruned"), "slimwise": ("full", "pruned"),
+         "reverse": ("pruned", "full"), "slimwise_distill": ("full", "student")}
 
 
 def run(name: str, cmd: list[str], timings: dict) -> None:
@@ -65,6 +72,57 @@ def training_summary(train_dir: Path) -> list[str]:
     return lines
 
 
+def touched_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts a decode step reads when `tokens` tokens each pick `top_k` of `experts` uniformly."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[float, str]:
+    """(full / pruned decode-step time at batch 64, where the number comes from)."""
+    config = json.loads((teacher_dir / "config.json").read_text())
+    experts = int(config.get("num_experts") or config["num_local_experts"])
+    top_k = int(config["num_experts_per_tok"])
+    keep = json.loads(keep_set.read_text())
+    kept = min(len(layer["kept"]) for layer in keep["layers"])
+    ratio = round(1 - kept / experts, 6)
+    if BENCH:
+        cmd = [sys.executable, "-m", "slimwise_train.bench", "decode", "--batches", str(BATCH), "--ratios", str(ratio),
+               "--experts", str(experts), "--top-k", str(top_k)]
+        print(f"\n=== bench decode: {' '.join(cmd)}", flush=True)
+        start = time.time()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        timings["bench decode"] = round(time.time() - start, 1)
+        if proc.returncode != 0:
+            raise SystemExit(f"demo: bench decode failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        result = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"bench"')][-1])
+        row = next(r for r in result["results"] if r["batch"] == BATCH)
+        return row["speedup"][str(ratio)], (
+            f"measured in this run by `bench decode` (one decode step at batch {BATCH}, {experts} experts top-{top_k} "
+            f"as the teacher routes, {kept} kept; serving-scale expert matrices H1024 x I768 fp32, static KV cache; "
+            f"bytes bound {row['bytes_bound'][str(ratio)]}x)")
+    bound = touched_experts(experts, top_k, BATCH) / touched_experts(kept, top_k, BATCH)
+    return bound, (f"expert-bytes model, NOT measured (DEMO_BENCH=0): experts read per step at batch {BATCH} under "
+                   f"uniform top-{top_k} routing, {experts} vs {kept} experts")
+
+
+def mode_table(eval_dir: Path, speedup: float, source: str) -> list[str]:
+    """What each mode buys (decode-step speed) next to what it costs (accuracy, lengths), pooled over families."""
+    results = json.loads((eval_dir / "results.json").read_text())
+    rows = {r["mode"]: r for r in results["rows"] if r["family"] == "all"}
+    lines = [f"| mode | prefill pool | decode pool | decode step at batch {BATCH} | accuracy | median / p90 length | "
+             "hit budget |", "|---|---|---|---|---|---|---|"]
+    for mode, (prefill_pool, decode_pool) in POOLS.items():
+        if mode not in rows:
+            continue
+        row = rows[mode]
+        speed = 1.0 if decode_pool == "full" else speedup
+        mark = " (+ its shared expert)" if decode_pool == "student" else ""
+        lines.append(f"| {mode} | {prefill_pool} | {decode_pool} | {speed:.2f}x{mark} | {row['accuracy']:.3f} | "
+                     f"{row['median_length']:g} / {row['p90_length']:g} | {row['hit_budget']:.3f} |")
+    return lines + ["", f"Decode-step speedup: {source}. Prefill runs the full pool in full, slimwise and "
+                        "slimwise_distill, so their time to first token is the full model's."]
+
+
 def main() -> int:
     if OUT.exists():
         shutil.rmtree(OUT)
@@ -82,6 +140,8 @@ def main() -> int:
     run("eval", [sys.executable, "-m", "slimwise_train.eval", *MODEL, f"eval.keep_sets=[{keep_set}]",
                  f"eval.student={train_dir}", f"eval.num_per_family={EVAL_N}", f"hydra.run.dir={eval_dir}"],
         timings)
+    teacher_dir = Path(TEACHER) if TEACHER else REPO / "slimwise_train" / "assets" / "teacher"
+    speedup, speedup_source = decode_speedup(teacher_dir, keep_set, timings)
     total = round(time.time() - start, 1)
     prune_summary = json.loads((prune_dir / "prune_summary.json").read_text())
     eval_report = (eval_dir / "report.md").read_text()
@@ -95,6 +155,7 @@ def main() -> int:
         f"(routing mass kept per layer: {[round(m, 3) for m in prune_summary['kept_routing_mass']]}).",
         f"Distillation: {STEPS} steps, 2 ranks, DeepSpeed ZeRO-2 (`conf/experiment/demo.yaml`).",
         f"Wall time: {total} s in all ({', '.join(f'{k} {v} s' for k, v in timings.items())}).", "",
+        "## What each mode buys and costs", "", *mode_table(eval_dir, speedup, speedup_source), "",
         "## Evaluation", "", demoted(eval_report), "",
         "## Distillation log", "", *training_summary(train_dir), "",
         "## Length distributions", "", *[f"![{name}]({name})" for name in plots], "",

@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "prune": _SHARED,
     "distill": _SHARED | {"prune"},
     "eval": _SHARED | {"prune", "distill"},
-    "bench": _SHARED | {"prune", "distill", "eval"},
+    "bench": _SHARED | {"prune", "distill", "eval", "lm_eval"},
     # the memory planner: reads the student (distill) and the keep-set rule (prune); bench_compare runs the bench's
     # memory child to check the plan against measurement
     "plan": _SHARED | {"prune", "distill", "bench"},

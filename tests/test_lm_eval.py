@@ -444,3 +444,37 @@ def test_two_process_data_parallel_equals_one_process(assets, tmp_path):
     strip = lambda rs: [{k: v for k, v in r.items()} for r in rs]  # noqa: E731
     assert strip(rec1) == strip(rec2) and len(rec1) == 10
     assert sum1["tasks"] == sum2["tasks"]
+
+
+def test_lengths_go_to_a_wandb_run_in_lm_evals_project_and_group(tmp_path):
+    from test_wandb_sweep import read_offline_run
+
+    row = {"n": 3, "accuracy": 0.5, "median_length": 12.0, "p90_length": 20.0, "max_length": 21, "hit_budget": 0.25,
+           "collapse": 0.0, "first_token_agreement_with_full": 1.0}
+    summary = {"run": "slimwise_keep", "mode": "slimwise", "model": "m", "keep_set": "k/keep_set.json",
+               "student": None, "keep_fraction": 0.5, "tasks": {"slimwise_math": row}}
+    # in a child process: its exit flushes the offline record log before it is read back
+    code = ("import json, sys; from slimwise_train.lm_eval.__main__ import log_lengths_to_wandb; "
+            "log_lengths_to_wandb(sys.argv[1], json.loads(sys.argv[2]))")
+    proc = subprocess.run([sys.executable, "-c", code, "project=slimwise-test,group=g1,name=nightly",
+                           json.dumps(summary)], env={**ENV, "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    run = read_offline_run(run_dir)
+    assert (run["group"], run["name"], run["job_type"]) == ("g1", "nightly-lengths", "slimwise-lengths")
+    assert run["summary"]["median_length/slimwise/slimwise_math"] == 12.0
+    summary_keys = run["summary"]
+    assert summary_keys["slimwise/lengths._type"] == "table-file" and summary_keys["slimwise/lengths.nrows"] == 1
+    assert run["config"]["mode"] == "slimwise"
+
+
+def test_lm_evals_own_task_index_is_skipped_only_when_every_task_is_packaged():
+    from slimwise_train.lm_eval import TASKS_DIR
+    from slimwise_train.lm_eval.__main__ import only_packaged_tasks, with_defaults
+
+    ours = with_defaults(["--model", "slimwise", "--tasks", "slimwise_math,slimwise_synthetic,slimwise_gsm8k_local"])
+    assert only_packaged_tasks(ours)
+    assert not only_packaged_tasks(with_defaults(["--tasks", "slimwise_math,gsm8k"]))  # a stock task needs the index
+    assert not only_packaged_tasks(with_defaults(["--tasks", "slimwise_math", "--include_path", "/my/tasks"]))
+    assert ours[ours.index("--include_path") + 1] == str(TASKS_DIR) and ours[ours.index("--device") + 1] == "auto"

@@ -8,6 +8,7 @@ import json
 from slimwise_train.bench.calib import run_calib
 from slimwise_train.bench.common import _model_args
 from slimwise_train.bench.decode import run_decode
+from slimwise_train.bench.lm_eval import run_lm_eval_bench
 from slimwise_train.bench.loss import run_loss
 from slimwise_train.bench.memory import ENGINES as MEMORY_ENGINES
 from slimwise_train.bench.memory import run_memory
@@ -15,7 +16,7 @@ from slimwise_train.bench.phase import run_phase
 from slimwise_train.bench.train import run_train
 
 BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train,
-           "memory": run_memory}
+           "memory": run_memory, "lm_eval": run_lm_eval_bench}
 
 
 def main(argv=None) -> int:
@@ -79,6 +80,13 @@ def main(argv=None) -> int:
     train.add_argument("--split", default="0.5",
                        help="split point as a fraction of --seq for every row, or 'random' (s ~ U{1..seq-2} per row)")
     train.add_argument("--seed", type=int, default=0)
+    lm_eval = sub.add_parser("lm_eval", help="lm-eval's slimwise model vs the eval app: same numbers, wall time")
+    lm_eval.add_argument("--teacher", default="slimwise_train/assets/teacher")
+    lm_eval.add_argument("--keep-set", default="outputs/demo/reap-r0.5/keep_set.json")
+    lm_eval.add_argument("--student", default="outputs/demo/distill/export")
+    lm_eval.add_argument("--num-per-family", type=int, default=200)
+    lm_eval.add_argument("--batch-size", type=int, default=32)
+    lm_eval.add_argument("--output-dir", default="outputs/bench/lm_eval")
     args = parser.parse_args(argv)
     result = BENCHES[args.name](args)
     print(json.dumps(result), flush=True)

@@ -50,7 +50,9 @@ def evaluate(lm: SlimwiseLM, tasks: list[str], output_path: str | Path | None = 
     when given). Returns lm-eval's results dict, with `slimwise_lengths` (the per-task length summary) on rank 0."""
     import lm_eval
 
-    kwargs = {"log_samples": True, "task_manager": task_manager(), **simple_evaluate_kwargs}
+    kwargs = {"log_samples": True, **simple_evaluate_kwargs}
+    if kwargs.get("task_manager") is None:
+        kwargs["task_manager"] = task_manager()
     results = lm_eval.simple_evaluate(model=lm, tasks=tasks, **kwargs)
     if output_path is not None:
         summary = write_lengths(lm, output_path, results)

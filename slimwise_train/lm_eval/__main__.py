@@ -2,7 +2,8 @@
 the packaged tasks on the task path, then the output lengths written beside lm-eval's results.
 
 Defaults added when the flag is absent: --include_path <the packaged tasks>, --device auto (lm-eval's own default
-is cuda:0), --batch_size 32 (the eval app's). Everything else is lm-eval's: see `lm-eval run --help`.
+is cuda:0), --batch_size 32 (the eval app's). When every --tasks name is a packaged task, lm-eval's index of its
+own tasks is skipped (11-15 s a run). Everything else is lm-eval's: see `lm-eval run --help`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,43 @@ def with_defaults(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
+def packaged_task_names() -> set[str]:
+    """Task names and tags of the packaged YAMLs (slimwise_train/lm_eval/tasks)."""
+    import yaml
+
+    from slimwise_train.lm_eval import TASKS_DIR
+
+    names = set()
+    for path in TASKS_DIR.glob("*.yaml"):
+        config = yaml.safe_load(path.read_text().replace("!function ", ""))
+        names.add(config["task"])
+        tags = config.get("tag") or []
+        names.update([tags] if isinstance(tags, str) else tags)
+    return names
+
+
+def only_packaged_tasks(argv: list[str]) -> bool:
+    """Every --tasks name is a packaged task or tag and the task path is ours: lm-eval's own index of its thousands
+    of task YAMLs (11-15 s here, every run) is not needed."""
+    from slimwise_train.lm_eval import TASKS_DIR
+
+    tasks = flag_value(argv, "--tasks", "-t")
+    if not tasks or flag_value(argv, "--include_path") != str(TASKS_DIR):
+        return False
+    return all(name.strip() in packaged_task_names() for name in tasks.split(","))
+
+
+def skip_lm_evals_own_task_index() -> None:
+    """The CLI builds its TaskManager itself (no flag for it): default it to include_defaults=False for this run."""
+    import lm_eval.tasks
+
+    class PackagedTasksOnly(lm_eval.tasks.TaskManager):
+        def __init__(self, *args, include_defaults: bool = False, **kwargs):
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    lm_eval.tasks.TaskManager = PackagedTasksOnly
+
+
 def finish(argv: list[str], start: float) -> None:
     """Write the lengths of the slimwise model this run made (rank 0), beside lm-eval's results."""
     from slimwise_train.lm_eval import SlimwiseLM
@@ -63,14 +101,27 @@ def finish(argv: list[str], start: float) -> None:
     summary = write_run(target, lm.describe(), records, results, samples, lm.tokenizer)
     print(f"slimwise_train.lm_eval: lengths of {summary['run']} written to {target} (report: "
           f"{target / 'slimwise_report.md'})")
-    try:
-        import wandb
-    except ImportError:  # pragma: no cover - wandb is a dependency
-        return
-    if wandb.run is not None:  # lm-eval's --wandb_args started a run
-        from slimwise_train.lm_eval.lengths import wandb_table
+    wandb_args = flag_value(argv, "--wandb_args")
+    if wandb_args is not None:
+        log_lengths_to_wandb(wandb_args, summary)
 
-        wandb.run.log({f"slimwise/lengths_{summary['run']}": wandb_table(summary)})
+
+def log_lengths_to_wandb(wandb_args: str, summary: dict) -> None:
+    """lm-eval logs its run and finishes it before the lengths exist: they go to a second run in the same project
+    (and group, when --wandb_args names one), job_type slimwise-lengths, named after the lm-eval run + the mode."""
+    import wandb
+    from lm_eval.utils import simple_parse_args_string
+
+    from slimwise_train.lm_eval.lengths import wandb_table
+
+    init = simple_parse_args_string(wandb_args)
+    init["name"] = f"{init['name']}-lengths" if init.get("name") else f"lengths-{summary['run']}"
+    run = wandb.init(**init, job_type="slimwise-lengths", config={k: summary.get(k) for k in (
+        "model", "mode", "keep_set", "student", "keep_fraction")})
+    scalars = {f"{metric}/{summary['mode']}/{task}": row[metric] for task, row in summary["tasks"].items()
+               for metric in ("accuracy", "median_length", "p90_length", "hit_budget") if row.get(metric) is not None}
+    run.log({"slimwise/lengths": wandb_table(summary), **scalars})
+    run.finish()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         from lm_eval.__main__ import cli_evaluate
 
         start = time.time()
+        if only_packaged_tasks(argv):
+            skip_lm_evals_own_task_index()
         sys.argv = ["lm-eval", *argv]
         cli_evaluate()
         finish(argv, start)

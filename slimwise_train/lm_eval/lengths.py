@@ -129,6 +129,13 @@ def write_run(folder: str | Path, info: dict, records: Sequence[dict], results: 
         raise ValueError("the slimwise model answered no generate_until requests, so there are no lengths to "
                          "write (loglikelihood tasks have none)")
     records = annotate(records, results, samples or {}, tokenizer)
+    seen = {(r["task"], r["doc_id"]) for r in records}
+    unanswered = sum((task, int(sample["doc_id"])) not in seen for task, rows in (samples or {}).items()
+                     for sample in rows if task in {r["task"] for r in records})
+    if unanswered:  # e.g. answered from lm-eval's --use_cache: the model never saw them
+        log.warning("%d logged samples have no length record (answered without the slimwise model, e.g. from "
+                    "--use_cache); the length summary covers the %d requests it answered", unanswered, len(records))
+        info = {**info, "samples_without_lengths": unanswered}
     name = run_name(info)
     with atomic_path(folder / f"{LENGTHS_PREFIX}{name}.jsonl") as tmp, open(tmp, "w") as handle:
         for record in records:
