@@ -19,7 +19,8 @@ TINY = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(n for n in BENCHES if n != "memory"))  # memory: its own test below
+# memory and lm_eval launch subprocesses on saved checkpoints: their own tests (below, tests/test_lm_eval.py)
+@pytest.mark.parametrize("name", sorted(n for n in BENCHES if n not in ("memory", "lm_eval")))
 def test_bench_subcommand_prints_one_json_line(name, capsys):
     assert main([name, *TINY[name]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()

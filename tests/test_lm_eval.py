@@ -478,3 +478,23 @@ def test_lm_evals_own_task_index_is_skipped_only_when_every_task_is_packaged():
     assert not only_packaged_tasks(with_defaults(["--tasks", "slimwise_math,gsm8k"]))  # a stock task needs the index
     assert not only_packaged_tasks(with_defaults(["--tasks", "slimwise_math", "--include_path", "/my/tasks"]))
     assert ours[ours.index("--include_path") + 1] == str(TASKS_DIR) and ours[ours.index("--device") + 1] == "auto"
+
+
+@pytest.mark.slow
+def test_bench_lm_eval_compares_all_three_routes_cell_by_cell(assets, tmp_path, capsys):
+    from slimwise_train.bench import main
+
+    assert main(["lm_eval", "--teacher", str(TEACHER), "--keep-set", assets["keep"], "--student", assets["student"],
+                 "--num-per-family", "2", "--output-dir", str(tmp_path / "bench")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bench"] == "lm_eval" and result["equal"] and not result["mismatches"]
+    assert len(result["cells"]) == 15
+    assert all({"eval_app", "lm_eval_cli", "lm_eval_python"} <= set(cell) for cell in result["cells"].values())
+    assert result["wall_ratio_python"] > 0 and result["wall_ratio_cli"] > 0
+
+
+def test_bench_lm_eval_says_how_to_get_its_inputs(tmp_path):
+    from slimwise_train.bench import main
+
+    with pytest.raises(SystemExit, match="run `make demo` first"):
+        main(["lm_eval", "--keep-set", str(tmp_path / "missing.json"), "--output-dir", str(tmp_path)])
