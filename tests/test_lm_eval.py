@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from hydra import compose, initialize_config_dir
 
 from slimwise_train.config import CONF_DIR
@@ -81,13 +80,12 @@ class _Request:
 # ------------------------------------------------------------------------------------ the tasks' budgets
 def test_synthetic_task_budgets_are_the_eval_apps_default_for_200_problems():
     from slimwise_train.data.tokenizer import load_tokenizer
-    from slimwise_train.lm_eval import TASKS_DIR
+    from slimwise_train.lm_eval import TASKS_DIR, packaged_task_config
 
     tokenizer = load_tokenizer(TEACHER)
     budgets = family_budgets(build_problems(tokenizer, list(FAMILIES), 200))
     for family in FAMILIES:
-        text = (TASKS_DIR / f"slimwise_{family}.yaml").read_text()
-        config = yaml.safe_load(text.replace("!function ", ""))
+        config = packaged_task_config(TASKS_DIR / f"slimwise_{family}.yaml")
         assert config["generation_kwargs"]["max_gen_toks"] == budgets[family], family
 
 
@@ -364,11 +362,11 @@ def test_local_variant_without_data_files_says_how_to_pass_them():
 
 
 def test_hub_variants_point_at_the_hub_datasets():
-    from slimwise_train.lm_eval import TASKS_DIR
+    from slimwise_train.lm_eval import TASKS_DIR, packaged_task_config
 
     expected = {"gsm8k": "openai/gsm8k", "math500": "HuggingFaceH4/MATH-500", "humaneval": "openai/openai_humaneval"}
     for task, dataset in expected.items():
-        config = yaml.safe_load((TASKS_DIR / f"slimwise_{task}.yaml").read_text().replace("!function ", ""))
+        config = packaged_task_config(TASKS_DIR / f"slimwise_{task}.yaml")
         assert config["dataset_path"] == dataset and "custom_dataset" not in config
 
 

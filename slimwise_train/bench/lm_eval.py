@@ -23,12 +23,10 @@ COMPARED = ("accuracy", "median_length", "p90_length", "max_length", "hit_budget
 
 
 def task_budgets() -> dict[str, int]:
-    import yaml
+    from slimwise_train.lm_eval import TASKS_DIR, packaged_task_config
 
-    from slimwise_train.lm_eval import TASKS_DIR
-
-    return {f: yaml.safe_load((TASKS_DIR / f"slimwise_{f}.yaml").read_text().replace("!function ", ""))
-            ["generation_kwargs"]["max_gen_toks"] for f in FAMILIES}
+    return {f: packaged_task_config(TASKS_DIR / f"slimwise_{f}.yaml")["generation_kwargs"]["max_gen_toks"]
+            for f in FAMILIES}
 
 
 def _run(cmd: list[str], log: Path, label: str | None = None) -> float:

@@ -21,6 +21,14 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 __all__ = ["MODES", "TASKS_DIR", "GeneratedText", "SlimwiseLM", "evaluate", "task_manager", "write_lengths"]
 
 
+def packaged_task_config(path: str | Path) -> dict:
+    """One packaged task YAML as a dict, its `!function` references left as plain strings (lm-eval resolves them;
+    callers here read names, tags and generation kwargs)."""
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text().replace("!function ", ""))
+
+
 def task_manager(include_path: str | Path | list | None = None, metadata: dict | None = None,
                  include_defaults: bool = True):
     """lm-eval's TaskManager with the packaged tasks (and `include_path` folders) added. `include_defaults=False`

@@ -43,13 +43,11 @@ def with_defaults(argv: list[str]) -> list[str]:
 
 def packaged_task_names() -> set[str]:
     """Task names and tags of the packaged YAMLs (slimwise_train/lm_eval/tasks)."""
-    import yaml
-
-    from slimwise_train.lm_eval import TASKS_DIR
+    from slimwise_train.lm_eval import TASKS_DIR, packaged_task_config
 
     names = set()
     for path in TASKS_DIR.glob("*.yaml"):
-        config = yaml.safe_load(path.read_text().replace("!function ", ""))
+        config = packaged_task_config(path)
         names.add(config["task"])
         tags = config.get("tag") or []
         names.update([tags] if isinstance(tags, str) else tags)

@@ -92,6 +92,14 @@ def annotate(records: Sequence[dict], results: dict | None, samples: dict[str, l
     return out
 
 
+def task_budgets(records: Sequence[dict]) -> dict[str, int]:
+    """{task: the largest max_gen_toks any of its requests had}."""
+    budgets: dict[str, int] = {}
+    for r in records:
+        budgets[r["task"]] = max(budgets.get(r["task"], 0), r["budget"])
+    return budgets
+
+
 def summarize_records(records: Sequence[dict], results: dict | None = None) -> dict[str, dict]:
     """{task: metrics, "all": metrics} with `slimwise_train.eval.metrics.summarize` (the eval app's definitions).
     Accuracy: the per-sample scores when lm-eval logged samples, else lm-eval's aggregate (per task only)."""
@@ -105,10 +113,7 @@ def summarize_records(records: Sequence[dict], results: dict | None = None) -> d
         "first_token_agrees": [r["first_token_agrees"] for r in records],
         "same_as_full": None,
     }
-    budgets = {}
-    for r in records:
-        budgets[r["task"]] = max(budgets.get(r["task"], 0), r["budget"])
-    rows = summarize(problems, record, budgets)
+    rows = summarize(problems, record, task_budgets(records))
     for task, row in rows.items():
         if row["accuracy"] is None and results and task in results.get("results", {}):
             metric = primary_metric(results["results"][task])
@@ -195,9 +200,7 @@ def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
             rows.append({"keep_set": keep, "mode": summary["mode"], "family": task, **metrics,
                          "exact_match_with_full": None})
         out_runs.append({"keep_set": keep, "mode": summary["mode"], "length": [r["num_tokens"] for r in records]})
-    budgets = {}
-    for r in base:
-        budgets[r["task"]] = max(budgets.get(r["task"], 0), r["budget"])
+    budgets = task_budgets(base)
     return {
         "families": tasks,
         "num_problems": {t: sum(r["task"] == t for r in base) for t in tasks},
