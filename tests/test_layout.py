@@ -24,7 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "prune": _SHARED,
     "distill": _SHARED | {"prune"},
     "eval": _SHARED | {"prune", "distill"},
-    "bench": _SHARED | {"prune", "distill", "eval", "lm_eval"},
+    "bench": _SHARED | {"prune", "distill", "eval", "lm_eval", "serve"},
+    # llama.cpp serving: its own package (the engine integration); reads the suite's texts through eval
+    "serve": _SHARED | {"eval"},
     # the memory planner: reads the student (distill) and the keep-set rule (prune); bench_compare runs the bench's
     # memory child to check the plan against measurement
     "plan": _SHARED | {"prune", "distill", "bench"},
@@ -105,6 +107,15 @@ def test_deepspeed_is_imported_in_exactly_one_module():
         if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
             importers.append(str(path.relative_to(PACKAGE)))
     assert importers == ["distill/engine.py"]
+
+
+def test_llama_cpp_is_imported_in_exactly_one_module():
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        names = imported_modules(path.read_text(), _module_name(path), path.name == "__init__.py")
+        if any(n == "llama_cpp" or n.startswith("llama_cpp.") for n in names):
+            importers.append(str(path.relative_to(PACKAGE)))
+    assert importers == ["serve/llamacpp.py"]
 
 
 def test_readme_stays_a_users_page():

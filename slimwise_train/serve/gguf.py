@@ -1,0 +1,307 @@
+"""HF checkpoint folder -> GGUF, through llama.cpp's own `convert_hf_to_gguf.py`, run unchanged in a subprocess.
+
+What this module adds around the converter, and why:
+
+* **Byte-level vocabulary.** llama.cpp reads every "gpt2"-model vocabulary as byte-level (GPT-2's bytes-to-unicode
+  alphabet: a space is `Ġ`). A BPE vocabulary that stores raw characters (the project's own tokenizer does) loads
+  with only a warning and then drops every space. Such a tokenizer is rewritten, in a staging copy of the folder,
+  to the byte-level form with the same ids and merges, and the rewrite is checked to tokenize exactly as the
+  original before the converter sees it.
+* **An explicit pre-tokenizer.** The converter recognises a tokenizer by hashing its output on a fixed text and
+  refuses unknown hashes. The project's tokenizer (letter runs with an optional leading space; every other
+  character alone) maps to llama.cpp's `default` pre-tokenizer, whose first pass splits punctuation and whose
+  second keeps ` ?letters` together: the same chunks wherever merges exist. Any other unrecognised tokenizer needs
+  `--pre-tokenizer NAME`; nothing is guessed. Either way the GGUF's tokenization is compared with transformers' on
+  `check_texts` after conversion, and a difference is an error (the file is not kept).
+* **A cache fingerprint.** llama.cpp accepts any sequence state whose tensor shapes fit. The handoff (handoff.py)
+  must refuse a state written by another model's attention, so `slimwise.cache_fingerprint` records a SHA-256 of
+  the weights that write the KV cache and that pruning and distillation never change (token embeddings and the
+  attention projections, not norms), as float32 values so the storage dtype and the GGUF type do not matter.
+
+Writes are atomic: the GGUF appears complete under its name or not at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from slimwise_train.utils.atomic import atomic_path
+
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+FORMAT = "slimwise-gguf/1"
+# The project's tokenizer (slimwise_train/data/tokenizer.py) and the llama.cpp pre-tokenizer that chunks text the
+# same way wherever its vocabulary has merges (see the module docstring); checked on every conversion anyway.
+PROJECT_PRETOKENIZER_PATTERN = r" ?[A-Za-z]+|[^A-Za-z]"
+PROJECT_PRETOKENIZER = "default"
+# Tensors that write the KV cache and that neither pruning nor distillation changes (norms are trained deltas).
+_CACHE_TENSOR = re.compile(r"(^|\.)(embed_tokens|self_attn|linear_attn|attn)\.")
+_NORM = re.compile(r"norm", re.IGNORECASE)
+UNRECOGNISED_EXIT = 3  # the converter wrapper's exit code for "pre-tokenizer not recognised"
+
+
+# ------------------------------------------------------------------------------------------------ byte level
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (the alphabet of every byte-level BPE vocabulary)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _byte_level(text: str) -> str:
+    table = bytes_to_unicode()
+    return "".join(table[b] for b in text.encode("utf-8"))
+
+
+def _components(node) -> list[dict]:
+    if not node:
+        return []
+    return [c for item in node.get("pretokenizers", [node]) for c in _components(item)] if node.get("type") == "Sequence" else [node]
+
+
+def is_byte_level(tokenizer_json: dict) -> bool:
+    """Whether a tokenizer.json's BPE vocabulary is in GPT-2's byte-level alphabet (a ByteLevel pre-tokenizer or
+    decoder says so); non-BPE models (SentencePiece, WordPiece) are not this module's concern."""
+    parts = _components(tokenizer_json.get("pre_tokenizer")) + _components(tokenizer_json.get("decoder"))
+    return any(p.get("type") == "ByteLevel" for p in parts)
+
+
+def to_byte_level(tokenizer_json: dict) -> dict:
+    """The same BPE tokenizer with its vocabulary and merges in the byte-level alphabet: the original
+    pre-tokenizer, then ByteLevel without its own regex; a ByteLevel decoder. Ids are unchanged; special (added)
+    tokens keep their text."""
+    model = tokenizer_json["model"]
+    if model.get("type") != "BPE":
+        raise ValueError(f"tokenizer.json model is {model.get('type')}, not BPE: no byte-level rewrite applies")
+    special = {t["content"] for t in tokenizer_json.get("added_tokens", [])}
+    vocab = {(t if t in special else _byte_level(t)): i for t, i in model["vocab"].items()}
+    if len(vocab) != len(model["vocab"]):
+        raise ValueError("tokenizer.json: two tokens map to the same byte-level text; cannot rewrite the vocabulary")
+    merges = []
+    for merge in model.get("merges", []):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        merges.append([_byte_level(left), _byte_level(right)])
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    original = tokenizer_json.get("pre_tokenizer")
+    pre = {"type": "Sequence", "pretokenizers": ([original] if original else []) + [byte_level]}
+    unk = model.get("unk_token")
+    return {
+        **tokenizer_json,
+        "pre_tokenizer": pre,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {**model, "vocab": vocab, "merges": merges, "unk_token": unk},
+    }
+
+
+def project_check_texts(n_per_family: int = 100) -> list[str]:
+    """Prompt + answer of the first held-out suite problems of every family (the texts the model serves)."""
+    from slimwise_train.data import synthetic
+    from slimwise_train.eval.generation import heldout_examples
+
+    texts = []
+    for family in synthetic.FAMILIES:
+        for example in heldout_examples(family, n_per_family):
+            prompt, answer = synthetic.to_text(example)
+            texts.append(prompt + answer)
+    return texts
+
+
+PROBE_TEXTS = (
+    "".join(chr(c) for c in range(32, 127)) + "\n\t",
+    "it's 'data' don't  two  spaces\n\nnew line\tTab (x+y)*3 = 12.5; f(\"a b\") -> {'k': [1, 2]}",
+    "   leading spaces, trailing spaces   ",
+)
+
+
+def _encode_all(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+# ------------------------------------------------------------------------------------------------ fingerprint
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    return [f for f in files if f.name not in ("student_trainable.safetensors",)]
+
+
+def cache_fingerprint(folder: str | os.PathLike) -> str:
+    """SHA-256 (hex) over the tensors that write the KV cache and that pruning and distillation leave as they are:
+    token embeddings and attention projections (norms excluded: distillation trains them), by sorted name, as
+    float32 values. Equal for a teacher, its pruned checkpoints and its distilled exports; different for another
+    model even when every shape matches."""
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = _safetensors_files(folder)
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {folder}")
+    where = {}
+    for path in files:
+        with safe_open(str(path), "pt") as handle:
+            for name in handle.keys():
+                if _CACHE_TENSOR.search(name) and not _NORM.search(name):
+                    where[name] = path
+    if not where:
+        raise ValueError(f"{folder}: no embedding or attention tensors found to fingerprint")
+    digest = hashlib.sha256()
+    handles = {}
+    try:
+        for name in sorted(where):
+            path = where[name]
+            if path not in handles:
+                handles[path] = safe_open(str(path), "pt").__enter__()
+            tensor = handles[path].get_tensor(name).to(torch.float32).contiguous()
+            digest.update(name.encode() + b"\0" + str(tuple(tensor.shape)).encode() + b"\0")
+            digest.update(tensor.numpy().tobytes())
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    return digest.hexdigest()
+
+
+def _role(folder: Path) -> str:
+    """full | pruned | distilled, from the record the project writes beside its checkpoints (prune's export/ holds
+    slimwise_keep_set.json, a distilled export slimwise_export.json)."""
+    if (folder / "slimwise_export.json").is_file():
+        return "distilled"
+    return "pruned" if (folder / "slimwise_keep_set.json").is_file() else "full"
+
+
+# ------------------------------------------------------------------------------------------------ conversion
+def _stage(folder: Path, staging: Path, pre_tokenizer: str | None) -> tuple[str | None, bool]:
+    """Symlink `folder` into `staging`, rewriting tokenizer.json to byte level where needed. Returns (the
+    pre-tokenizer to force or None, whether the tokenizer was rewritten)."""
+    for item in folder.iterdir():
+        if item.name != "tokenizer.json":
+            (staging / item.name).symlink_to(item.resolve())
+    tok_file = folder / "tokenizer.json"
+    if not tok_file.is_file():
+        raise ValueError(f"{folder} has no tokenizer.json: save the tokenizer beside the weights (the project's apps do)")
+    tok = json.loads(tok_file.read_text())
+    components = _components(tok.get("pre_tokenizer"))
+    is_project = any(c.get("type") == "Split" and (c.get("pattern") or {}).get("Regex") == PROJECT_PRETOKENIZER_PATTERN
+                     for c in components)
+    rewritten = tok.get("model", {}).get("type") == "BPE" and not is_byte_level(tok)
+    if rewritten:
+        tok = to_byte_level(tok)
+    (staging / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+    if pre_tokenizer is None and is_project:
+        pre_tokenizer = PROJECT_PRETOKENIZER
+    return pre_tokenizer, rewritten
+
+
+def _check_rewrite(original: Path, staged: Path, texts: Sequence[str]) -> None:
+    from transformers import AutoTokenizer
+
+    a = AutoTokenizer.from_pretrained(original)
+    b = AutoTokenizer.from_pretrained(staged)
+    bad = [t for t, x, y in zip(texts, _encode_all(a, texts), _encode_all(b, texts)) if x != y]
+    if bad:
+        raise RuntimeError(f"the byte-level rewrite of {original}/tokenizer.json tokenizes {len(bad)} of {len(texts)} "
+                           f"check texts differently (first: {bad[0][:80]!r}); this tokenizer cannot be converted")
+
+
+def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLike, texts: Sequence[str]) -> tuple[int, int]:
+    """(equal, total): texts that llama.cpp tokenizes to the same ids as transformers (no special tokens added)."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.serve.llamacpp import GGUFModel
+
+    model = GGUFModel(gguf_file, vocab_only=True)
+    try:
+        hf = AutoTokenizer.from_pretrained(hf_folder)
+        equal = sum(model.tokenize(t) == ids for t, ids in zip(texts, _encode_all(hf, texts)))
+    finally:
+        model.close()
+    return equal, len(texts)
+
+
+def convert(
+    folder: str | os.PathLike,
+    outfile: str | os.PathLike,
+    outtype: str = "f32",
+    pre_tokenizer: str | None = None,
+    check_texts: Iterable[str] | None = None,
+    overwrite: bool = False,
+    log=print,
+) -> Path:
+    """Convert an HF checkpoint folder (a teacher, a pruned checkpoint or a distilled export) to one GGUF file.
+
+    `check_texts`: texts whose llama.cpp tokenization must equal transformers' (default: the suite's 300 held-out
+    problems when the tokenizer is the project's, else only the built-in probes). Raises ValueError with one line
+    on bad input, RuntimeError when the converter or the tokenization check fails; the outfile is then not written.
+    """
+    from slimwise_train.serve.llamacpp import source_dir
+
+    folder, outfile = Path(folder), Path(outfile)
+    if outtype not in OUTTYPES:
+        raise ValueError(f"--outtype {outtype!r}: use one of {', '.join(OUTTYPES)}")
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is not an HF checkpoint folder (no config.json): pass the folder save_pretrained "
+                         "wrote (a teacher, prune's export/ or a distilled export/)")
+    if outfile.exists() and not overwrite:
+        raise ValueError(f"{outfile} exists: pass --overwrite or another --outfile")
+    if not outfile.parent.is_dir():
+        raise ValueError(f"the folder of --outfile does not exist: {outfile.parent}")
+    if pre_tokenizer is not None and not re.fullmatch(r"[a-z0-9._-]+", pre_tokenizer):
+        raise ValueError(f"--pre-tokenizer {pre_tokenizer!r} is not a llama.cpp pre-tokenizer name (e.g. default, llama3)")
+    source = source_dir()
+
+    with tempfile.TemporaryDirectory(prefix="slimwise-gguf-") as tmp:
+        staging = Path(tmp) / folder.name
+        staging.mkdir()
+        pre, rewritten = _stage(folder, staging, pre_tokenizer)
+        texts = list(PROBE_TEXTS)
+        if check_texts is not None:
+            texts += list(check_texts)
+        elif pre == PROJECT_PRETOKENIZER and pre_tokenizer is None:
+            texts += project_check_texts()
+        if rewritten:
+            log(f"gguf: {folder.name}: the BPE vocabulary is not byte-level; converting a byte-level rewrite of it "
+                "(same ids, checked equal on the check texts)")
+            _check_rewrite(folder, staging, texts)
+        metadata = {
+            "slimwise.format": FORMAT,
+            "slimwise.cache_fingerprint": cache_fingerprint(folder),
+            "slimwise.role": _role(folder),
+            "slimwise.source": folder.resolve().name,
+        }
+        log(f"gguf: {folder} -> {outfile} ({outtype}, role {metadata['slimwise.role']}, "
+            f"pre-tokenizer {pre or 'recognised by llama.cpp'})")
+        with atomic_path(outfile) as tmp_out:
+            command = [sys.executable, "-m", "slimwise_train.serve._run_converter", "--source", str(source),
+                       "--metadata-json", json.dumps(metadata), "--pre-tokenizer", pre or "",
+                       "--", str(staging), "--outfile", str(tmp_out), "--outtype", outtype]
+            proc = subprocess.run(command, capture_output=True, text=True)
+            if proc.returncode == UNRECOGNISED_EXIT:
+                raise ValueError(proc.stderr.strip().splitlines()[-1])
+            if proc.returncode != 0:
+                raise RuntimeError(f"llama.cpp's converter failed on {folder} (exit {proc.returncode}):\n"
+                                   + "\n".join(proc.stderr.strip().splitlines()[-15:]))
+            equal, total = check_tokenization(tmp_out, folder, texts)
+            if equal != total:
+                raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} check texts differently "
+                                   f"from transformers (pre-tokenizer {pre!r}): not written; try another "
+                                   "--pre-tokenizer")
+            log(f"gguf: tokenization equal to transformers on {equal}/{total} check texts")
+    return outfile

@@ -1,0 +1,220 @@
+"""The SlimWise handoff inside llama.cpp, in one process: the full model prefills, the pruned decoder decodes.
+
+Two llama.cpp contexts, one per GGUF. Each wave of up to `n_seq` requests is prefilled in the full model's context
+(prompts packed into shared batches), the first token is picked from the full model's logits, each sequence's state
+(its KV cells) is copied into the pruned model's context, and the pruned model decodes all sequences of the wave
+together, one token per sequence per llama_decode call. Greedy equals `slimwise_train.moe.handoff.handoff_generate`
+token for token (tests/test_serve_llamacpp.py); sampling uses llama.cpp's own sampler chain, seeded per request.
+
+llama.cpp checks only a state's shapes, so `check_cache_compatible` refuses first a pair whose cache is written
+differently: layer count, KV heads, head sizes, rope settings, and the `slimwise.cache_fingerprint` that
+`python -m slimwise_train.serve gguf` writes (attention weights). Both contexts always use one KV type.
+Co-located masking (one model, a per-phase expert mask) is not available in llama.cpp: it would need a change there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from slimwise_train.serve.llamacpp import Context, ContextSettings, GGUFModel, Sampler
+
+FINGERPRINT = "slimwise.cache_fingerprint"
+END_REASONS = ("eos", "stop", "budget")
+
+
+class CacheMismatch(ValueError):
+    """The decode model cannot read the prefill model's cache (one line naming the field)."""
+
+
+def _cache_keys(meta: dict[str, str]) -> dict[str, str]:
+    arch = meta.get("general.architecture", "?")
+    keys = {"general.architecture": arch}
+    for key, value in meta.items():
+        rest = key[len(arch) + 1:] if key.startswith(arch + ".") else None
+        if rest is None:
+            continue
+        if (rest in ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
+                     "attention.key_length", "attention.value_length", "attention.sliding_window",
+                     "attention.layer_norm_rms_epsilon")
+                or rest.startswith("rope.") or rest.startswith("attention.sliding_window")):
+            keys[key] = value
+    return keys
+
+
+def check_cache_compatible(prefill_meta: dict[str, str], decode_meta: dict[str, str], prefill_name: str = "prefill",
+                           decode_name: str = "decode") -> None:
+    """Raise CacheMismatch (one line) unless `decode` can continue on a cache `prefill` wrote."""
+    for name, meta in ((prefill_name, prefill_meta), (decode_name, decode_meta)):
+        if FINGERPRINT not in meta:
+            raise CacheMismatch(f"{name} has no {FINGERPRINT}: convert it with `python -m slimwise_train.serve gguf` "
+                                "(a plain convert_hf_to_gguf.py file cannot be checked)")
+    a, b = _cache_keys(prefill_meta), _cache_keys(decode_meta)
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            raise CacheMismatch(f"{decode_name} cannot decode on {prefill_name}'s cache: {key} is {b.get(key)} there, "
+                                f"{a.get(key)} here")
+    if prefill_meta[FINGERPRINT] != decode_meta[FINGERPRINT]:
+        raise CacheMismatch(f"{decode_name} cannot decode on {prefill_name}'s cache: its attention weights differ "
+                            f"({FINGERPRINT} {decode_meta[FINGERPRINT][:12]}... vs {prefill_meta[FINGERPRINT][:12]}...); "
+                            "pair a teacher with its own pruned or distilled checkpoint")
+
+
+@dataclass
+class Request:
+    """One generation: prompt token ids (as the HF tokenizer gives them), a token budget (first token included),
+    stop strings, and sampling (temperature 0: greedy)."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    stop: Sequence[str] = ()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    """tokens made (EOS included when it ended there); `length` = len(tokens); `end` eos | stop | budget, as the
+    eval app counts lengths; `first_token` came from the prefill model."""
+
+    tokens: list[int]
+    text: str
+    end: str
+    first_token: int
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class HandoffStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    state_bytes: int = 0
+    transfer_s: float = 0.0
+    waves: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+class EngineHandoff:
+    """Full-prefill -> pruned-decode over llama.cpp contexts. `decode_gguf=None` (or the same file) runs one model
+    in both phases: the full baseline, or a pruned model alone (conventional pruning)."""
+
+    def __init__(self, prefill_gguf: str | os.PathLike, decode_gguf: str | os.PathLike | None = None, *,
+                 n_seq: int = 16, n_ctx_per_seq: int | None = None, n_batch: int = 512, kv_type: str = "f16",
+                 threads: int | None = None):
+        """`n_ctx_per_seq` None: the model's training context, at most 4096 (prompt + budget must fit)."""
+        if n_seq < 1 or (n_ctx_per_seq is not None and n_ctx_per_seq < 8):
+            raise ValueError(f"n_seq must be >= 1 and n_ctx_per_seq >= 8, got {n_seq} and {n_ctx_per_seq}")
+        threads = threads or max(1, len(os.sched_getaffinity(0)))
+        self.prefill_model = GGUFModel(prefill_gguf)
+        n_ctx_per_seq = n_ctx_per_seq or min(self.prefill_model.n_ctx_train or 4096, 4096)
+        same = decode_gguf is None or os.path.realpath(decode_gguf) == os.path.realpath(prefill_gguf)
+        self.decode_model = self.prefill_model if same else GGUFModel(decode_gguf)
+        if not same:
+            check_cache_compatible(self.prefill_model.metadata(), self.decode_model.metadata(),
+                                   os.path.basename(prefill_gguf), os.path.basename(decode_gguf))
+        settings = ContextSettings(n_seq=n_seq, n_ctx_per_seq=n_ctx_per_seq, n_batch=n_batch, kv_type=kv_type,
+                                   threads=threads)
+        self.settings = settings
+        self.prefill_ctx = Context(self.prefill_model, settings)
+        self.decode_ctx = self.prefill_ctx if same else Context(self.decode_model, settings)
+        self.stats = HandoffStats()
+
+    def close(self) -> None:
+        for ctx in {id(self.prefill_ctx): self.prefill_ctx, id(self.decode_ctx): self.decode_ctx}.values():
+            ctx.close()
+        for model in {id(self.prefill_model): self.prefill_model, id(self.decode_model): self.decode_model}.values():
+            model.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ generation
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Completions in request order, waves of `n_seq` requests."""
+        for i, req in enumerate(requests):
+            if req.max_new_tokens < 1:
+                raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {req.max_new_tokens}")
+            if not req.prompt_ids:
+                raise ValueError(f"request {i}: empty prompt")
+            if len(req.prompt_ids) + req.max_new_tokens > self.settings.n_ctx_per_seq:
+                raise ValueError(f"request {i}: prompt {len(req.prompt_ids)} + max_new_tokens {req.max_new_tokens} "
+                                 f"exceeds n_ctx_per_seq={self.settings.n_ctx_per_seq}; raise --n-ctx")
+        out: list[Completion] = []
+        n = self.settings.n_seq
+        for start in range(0, len(requests), n):
+            out += self._wave(list(requests[start:start + n]))
+        return out
+
+    def _pick(self, ctx: Context, seq: int, sampler: Sampler | None) -> int:
+        if sampler is None:
+            return int(np.argmax(ctx.logits(seq)))
+        return sampler.sample(ctx, seq)
+
+    def _wave(self, requests: list[Request]) -> list[Completion]:
+        stats = self.stats
+        stats.waves += 1
+        self.prefill_ctx.clear()
+        if self.decode_ctx is not self.prefill_ctx:
+            self.decode_ctx.clear()
+        samplers = [Sampler(r.temperature, r.top_p, r.top_k, r.seed) if r.temperature > 0 else None for r in requests]
+        try:
+            t0 = time.perf_counter()
+            self.prefill_ctx.decode([(seq, list(r.prompt_ids), 0) for seq, r in enumerate(requests)])
+            first = [self._pick(self.prefill_ctx, seq, samplers[seq]) for seq in range(len(requests))]
+            stats.prefill_s += time.perf_counter() - t0
+            stats.prefill_tokens += sum(len(r.prompt_ids) for r in requests)
+            if self.decode_ctx is not self.prefill_ctx:
+                t0 = time.perf_counter()
+                for seq in range(len(requests)):
+                    state = self.prefill_ctx.get_state(seq)
+                    stats.state_bytes += len(state)
+                    self.decode_ctx.set_state(seq, state)
+                stats.transfer_s += time.perf_counter() - t0
+            tokens = [[t] for t in first]
+            end = [None] * len(requests)
+            for seq, req in enumerate(requests):
+                end[seq] = self._ended(tokens[seq], req)
+            t0 = time.perf_counter()
+            while True:
+                active = [seq for seq in range(len(requests)) if end[seq] is None]
+                if not active:
+                    break
+                self.decode_ctx.decode([(seq, [tokens[seq][-1]], len(requests[seq].prompt_ids) + len(tokens[seq]) - 1)
+                                        for seq in active])
+                stats.decode_tokens += len(active)
+                for seq in active:
+                    tokens[seq].append(self._pick(self.decode_ctx, seq, samplers[seq]))
+                    end[seq] = self._ended(tokens[seq], requests[seq])
+            stats.decode_s += time.perf_counter() - t0
+        finally:
+            for sampler in samplers:
+                if sampler is not None:
+                    sampler.close()
+        return [Completion(tokens=toks, text=self.decode_model.detokenize([t for t in toks if not self.decode_model.is_end_of_generation(t)]),
+                           end=why, first_token=toks[0]) for toks, why in zip(tokens, end)]
+
+    def _ended(self, tokens: list[int], req: Request) -> str | None:
+        """eos | stop | budget once the request is done, else None (the order handoff_generate checks them in)."""
+        if self.decode_model.is_end_of_generation(tokens[-1]):
+            return "eos"
+        if req.stop:
+            text = self.decode_model.detokenize(tokens)
+            if any(s in text for s in req.stop):
+                return "stop"
+        if len(tokens) >= req.max_new_tokens:
+            return "budget"
+        return None

@@ -1,0 +1,194 @@
+"""The disaggregated handoff over two llama-server processes: the full model prefills on one, the pruned model
+decodes on the other, the sequence state moving between them through llama-server's slot files.
+
+    llama-server -m teacher.gguf --port 8081 --slot-save-path /srv/slots/ -np 1 -c 2048
+    llama-server -m pruned.gguf  --port 8082 --slot-save-path /srv/slots/ -np 1 -c 2048
+
+`DisaggregatedClient.generate` then, per request: (1) asks the prefill server for one token on the prompt
+(`/completion`, n_predict 1): the full model's prefill and its first token; (2) saves that slot
+(`POST /slots/0?action=save`: KV cells + token list, llama_state_seq_save_file); (3) restores the file into the
+decode server's slot (`action=restore`; both servers read one slot folder, a shared volume across hosts); (4) asks
+the decode server to continue from prompt + first token with `cache_prompt`, so it evaluates only the first token
+on the restored cache (checked: the response's `timings.prompt_n` must be 1) and decodes the rest.
+
+llama-server compares nothing but shapes on restore, so the client first compares the two GGUF headers it finds at
+each server's `model_path` (`/props`), as the in-process handoff does (`check_cache_compatible`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from slimwise_train.serve.handoff import CacheMismatch, Completion, Request, check_cache_compatible
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def _call(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read().decode() or "{}")
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")[:300]
+        raise ServerError(f"{url}: HTTP {error.code}: {detail}") from None
+    except urllib.error.URLError as error:
+        raise ServerError(f"{url}: {error.reason}") from None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerSpec:
+    gguf: Path
+    port: int
+    slot_dir: Path
+    n_ctx: int = 2048
+    threads: int = 1
+    kv_type: str = "f16"
+
+    def command(self) -> list[str]:
+        from slimwise_train.serve.llamacpp import server_binary
+
+        # --slot-save-path is joined to the file name as a string: it needs its trailing slash.
+        return [str(server_binary()), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
+                "--slot-save-path", str(self.slot_dir) + os.sep, "-np", "1", "-c", str(self.n_ctx),
+                "-t", str(self.threads), "-tb", str(self.threads), "--cache-type-k", self.kv_type,
+                "--cache-type-v", self.kv_type, "--no-warmup", "--cache-ram", "0"]
+
+
+class LlamaServer:
+    """One llama-server process (started here, for tests, the demo and the bench); `url` once healthy."""
+
+    def __init__(self, spec: ServerSpec, log_file: Path, startup_timeout: float = 120.0):
+        self.spec = spec
+        self.url = f"http://127.0.0.1:{spec.port}"
+        self._log = open(log_file, "w")
+        self.proc = subprocess.Popen(spec.command(), stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._log.close()
+                tail = Path(log_file).read_text(errors="replace").strip().splitlines()[-5:]
+                raise ServerError(f"llama-server for {spec.gguf} exited ({self.proc.returncode}): " + " | ".join(tail))
+            try:
+                if _call(self.url + "/health", timeout=2).get("status") == "ok":
+                    return
+            except ServerError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerError(f"llama-server for {spec.gguf} not healthy after {startup_timeout:.0f} s (log: {log_file})")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _server_metadata(url: str) -> tuple[str, dict[str, str]]:
+    from slimwise_train.serve.llamacpp import GGUFModel
+
+    path = _call(url + "/props").get("model_path")
+    if not path or not Path(path).is_file():
+        raise CacheMismatch(f"{url}/props names model_path {path!r}, which this client cannot read: run the client "
+                            "where both GGUF files are visible (or pass the files with --prefill-gguf/--decode-gguf)")
+    model = GGUFModel(path, vocab_only=True)
+    try:
+        return path, model.metadata()
+    finally:
+        model.close()
+
+
+class DisaggregatedClient:
+    """Prefill on one llama-server, decode on another (module docstring); greedy or sampled, one request at a
+    time per slot."""
+
+    def __init__(self, prefill_url: str, decode_url: str, slot_dir: str | os.PathLike,
+                 prefill_gguf: str | None = None, decode_gguf: str | None = None):
+        self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+        self.slot_dir = Path(slot_dir)
+        from slimwise_train.serve.llamacpp import GGUFModel
+
+        metas = []
+        for url, path in ((self.prefill_url, prefill_gguf), (self.decode_url, decode_gguf)):
+            if path is None:
+                metas.append(_server_metadata(url)[1])
+            else:
+                model = GGUFModel(path, vocab_only=True)
+                metas.append(model.metadata())
+                model.close()
+        check_cache_compatible(metas[0], metas[1], self.prefill_url, self.decode_url)
+        self.prompt_tokens_evaluated_on_decode: list[int] = []
+
+    def _sampling(self, req: Request) -> dict:
+        if req.temperature <= 0:
+            return {"temperature": 0.0, "top_k": 1}
+        return {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+
+    def generate_one(self, req: Request) -> Completion:
+        prompt = [int(t) for t in req.prompt_ids]
+        first = _call(self.prefill_url + "/completion", {
+            "prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "return_tokens": True,
+            **self._sampling(req)})
+        if not first.get("tokens"):
+            raise ServerError(f"{self.prefill_url}/completion returned no token: {str(first)[:200]}")
+        token = int(first["tokens"][0])
+        name = f"slimwise-{uuid.uuid4().hex}.bin"
+        try:
+            _call(self.prefill_url + "/slots/0?action=save", {"filename": name})
+            _call(self.decode_url + "/slots/0?action=restore", {"filename": name})
+        finally:
+            (self.slot_dir / name).unlink(missing_ok=True)
+        tokens = [token]
+        if first.get("stop_type") == "eos" or first.get("stopping_word") or req.max_new_tokens == 1:
+            end = "eos" if first.get("stop_type") == "eos" else "budget"
+            return Completion(tokens=tokens, text=first.get("content", ""), end=end, first_token=token)
+        rest = _call(self.decode_url + "/completion", {
+            "prompt": prompt + [token], "n_predict": req.max_new_tokens - 1, "id_slot": 0, "cache_prompt": True,
+            "return_tokens": True, "stop": list(req.stop), **self._sampling(req)})
+        evaluated = int(rest.get("timings", {}).get("prompt_n", -1))
+        self.prompt_tokens_evaluated_on_decode.append(evaluated)
+        if evaluated != 1:
+            raise ServerError(f"the decode server evaluated {evaluated} prompt tokens instead of 1: the restored "
+                              "slot was not reused (check that both servers share --slot-save-path)")
+        tokens += [int(t) for t in rest.get("tokens", [])]
+        stop_type = rest.get("stop_type")
+        end = {"eos": "eos", "word": "stop", "limit": "budget"}.get(stop_type, "budget")
+        return Completion(tokens=tokens, text=first.get("content", "") + rest.get("content", ""), end=end,
+                          first_token=token)
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        return [self.generate_one(r) for r in requests]
