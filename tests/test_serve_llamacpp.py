@@ -302,3 +302,38 @@ def test_cli_converts_and_generates_as_the_readme_shows(served, tmp_path):
         proc = run(*args)
         assert proc.returncode == 2 and proc.stderr.strip().startswith("error:") and message in proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------ bench
+def test_roofline_expected_touched_matches_a_simulation_and_bounds_are_ratios_of_costs():
+    from slimwise_train.bench.roofline import DecodeShape, MachineRates, expected_touched, step_bound_s
+
+    g = torch.Generator().manual_seed(0)
+    for experts, top_k, tokens in ((64, 4, 1), (64, 4, 16), (128, 8, 64), (32, 4, 64)):
+        draws = [len({e for _ in range(tokens) for e in torch.randperm(experts, generator=g)[:top_k].tolist()})
+                 for _ in range(200)]
+        assert abs(sum(draws) / len(draws) - expected_touched(experts, top_k, tokens)) < 0.02 * experts
+    shape = DecodeShape(layers=2, experts=128, top_k=8, expert_params=3 * 1024 * 768, other_params=10_000_000,
+                        weight_bytes=2, kv_bytes_per_token=2048, attention_flops_per_ctx_token=4 * 2 * 16 * 64)
+    rates = MachineRates(bandwidth_gbs=30.0, matmul_gflops=200.0, threads=2)
+    half = DecodeShape(**{**shape.__dict__, "experts": 64})
+    # a bytes-bound step: the bound follows the bytes; with infinite bandwidth only FLOPs remain, equal for both
+    assert step_bound_s(shape, 64, 64, rates) > step_bound_s(half, 64, 64, rates)
+    fast = MachineRates(bandwidth_gbs=1e9, matmul_gflops=200.0, threads=2)
+    assert step_bound_s(shape, 64, 64, fast) == pytest.approx(step_bound_s(half, 64, 64, fast))
+
+
+def test_bench_engine_reports_ratios_bounds_and_targets(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "slimwise_train.bench", "engine", "--models", "teacher", "--batches",
+                           "1,4", "--ratios", "0.5", "--steps", "2", "--repeats", "1", "--threads", "1",
+                           "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "engine" and result["threads"] == 1 and result["machine"]["bandwidth_gbs"] > 0
+    rows = result["results"]["teacher"]["rows"]
+    assert [r["sequences"] for r in rows] == [1, 4]
+    for row in rows:
+        assert set(row["decode_tok_s"]) == {"full", "pruned_0.5"} and row["bound"]["0.5"] >= 1.0
+        assert row["efficiency"]["0.5"] == pytest.approx(row["decode_speedup"]["0.5"] / row["bound"]["0.5"], abs=2e-3)
+    assert set(result["targets_met"]) == {"decode_speedup_at_64", "efficiency_at_64"}
+    assert list(tmp_path.iterdir()) == []  # the GGUF files of the run are gone

@@ -8,6 +8,7 @@ import json
 from slimwise_train.bench.calib import run_calib
 from slimwise_train.bench.common import _model_args
 from slimwise_train.bench.decode import run_decode
+from slimwise_train.bench.engine import run_engine
 from slimwise_train.bench.lm_eval import run_lm_eval_bench
 from slimwise_train.bench.loss import run_loss
 from slimwise_train.bench.memory import ENGINES as MEMORY_ENGINES
@@ -16,7 +17,7 @@ from slimwise_train.bench.phase import run_phase
 from slimwise_train.bench.train import run_train
 
 BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train,
-           "memory": run_memory, "lm_eval": run_lm_eval_bench}
+           "memory": run_memory, "lm_eval": run_lm_eval_bench, "engine": run_engine}
 
 
 def main(argv=None) -> int:
@@ -87,6 +88,19 @@ def main(argv=None) -> int:
     lm_eval.add_argument("--num-per-family", type=int, default=200)
     lm_eval.add_argument("--batch-size", type=int, default=32)
     lm_eval.add_argument("--output-dir", default="outputs/bench/lm_eval")
+    engine = sub.add_parser("engine", help="llama.cpp decode/prefill throughput, full vs pruned, with this machine's "
+                            "roofline bound", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    engine.add_argument("--models", default="teacher,bench",
+                        help="teacher (the shipped one) and/or bench (bench decode's shape: L2 H1024 E128 top-8 I768)")
+    engine.add_argument("--batches", default="1,16,64", help="sequences decoded together")
+    engine.add_argument("--ratios", default="0.25,0.5,0.75")
+    engine.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
+    engine.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
+    engine.add_argument("--repeats", type=int, default=3, help="timed rounds (one untimed round first)")
+    engine.add_argument("--threads", type=int, default=None, help="default: the CPUs this process may use")
+    engine.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16"])
+    engine.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
+    engine.add_argument("--work-dir", default=None, help="where the GGUF files go for the run (default: the temp dir)")
     args = parser.parse_args(argv)
     result = BENCHES[args.name](args)
     print(json.dumps(result), flush=True)

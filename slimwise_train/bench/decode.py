@@ -10,6 +10,7 @@ import sys
 import torch
 
 from slimwise_train.bench.common import _paired_ratio, bench_model, interleaved_times
+from slimwise_train.bench.roofline import DecodeShape, decode_shape, measure_machine, step_bound_s
 
 
 def _decode_cache(model, kind: str, max_len: int):
@@ -64,6 +65,10 @@ def run_decode(args) -> dict:
     masked = copy.deepcopy(full)
     mask_ratio = 0.5 if 0.5 in ratios else ratios[0]
     masking = PhaseMasking(masked, keeps[mask_ratio], phase="decode")
+    # The roofline of this machine (bench/roofline.py): bytes and FLOPs, where bytes_bound counts expert bytes only.
+    rates = measure_machine(torch.get_num_threads()) if device.type == "cpu" else None
+    element = torch.finfo(dtype).bits // 8
+    shape = decode_shape(full, element, element)
     results = []
     for batch in [int(b) for b in args.batches.split(",")]:
         g = torch.Generator().manual_seed(batch)
@@ -124,6 +129,8 @@ def run_decode(args) -> dict:
         row["experts_only_speedup"] = {}
         row["bytes_bound"] = {}
         row["bound_efficiency"] = {}
+        row["roofline_bound"] = {}
+        row["roofline_efficiency"] = {}
         for r in ratios:
             kept = num_to_keep(args.experts, r)
             experts_pruned = statistics.mean(touched[f"pruned_{r}"]) * kept
@@ -133,10 +140,17 @@ def run_decode(args) -> dict:
             row["experts_only_speedup"][str(r)] = round(_paired_ratio(expert_times, "full", f"pruned_{r}"), 3)
             row["bytes_bound"][str(r)] = round(bound, 3)
             row["bound_efficiency"][str(r)] = round(speed / bound, 3)
+            if rates is not None:
+                pruned_shape = DecodeShape(**{**shape.__dict__, "experts": kept})
+                roof = (step_bound_s(shape, batch, args.prompt, rates, touched=experts_full)
+                        / step_bound_s(pruned_shape, batch, args.prompt, rates, touched=experts_pruned))
+                row["roofline_bound"][str(r)] = round(roof, 3)
+                row["roofline_efficiency"][str(r)] = round(speed / roof, 3)
         results.append(row)
         print(json.dumps({"partial": row}), file=sys.stderr, flush=True)
     masking.remove()
-    targets = {"masked_over_pruned_max": 1.05, "pruned_0.5_speedup_at_64_min": 1.5, "bound_efficiency_min": 0.85}
+    targets = {"masked_over_pruned_max": 1.05, "pruned_0.5_speedup_at_64_min": 1.5, "bound_efficiency_min": 0.85,
+               "roofline_efficiency_min": 0.85}
     at_64 = next((row for row in results if row["batch"] == 64 and "0.5" in row["speedup"]), None)
     targets_met = {
         "masked_over_pruned": all(row["masked_over_pruned"] <= targets["masked_over_pruned_max"] for row in results),
@@ -144,6 +158,9 @@ def run_decode(args) -> dict:
         "speedup_at_64": None if at_64 is None else at_64["speedup"]["0.5"] >= targets["pruned_0.5_speedup_at_64_min"],
         "bound_efficiency_at_64": None if at_64 is None
         else at_64["bound_efficiency"]["0.5"] >= targets["bound_efficiency_min"],
+        # the bound computed on this machine (bytes and FLOPs); CPU only (a GPU's rates are not measured here)
+        "roofline_efficiency_at_64": None if at_64 is None or "0.5" not in at_64["roofline_efficiency"]
+        else at_64["roofline_efficiency"]["0.5"] >= targets["roofline_efficiency_min"],
     }
     return {
         "bench": "decode",
@@ -151,6 +168,7 @@ def run_decode(args) -> dict:
         "model": f"{args.model_type} L{args.layers} H{args.hidden} E{args.experts} top{args.top_k} "
                  f"I{args.moe_intermediate} kv{full.config.num_key_value_heads}x64 {args.dtype}",
         "cache": args.cache,
+        "machine": rates.as_dict() if rates is not None else None,
         "expert_bytes_per_layer": bytes_per_expert * args.experts,
         "prompt_len": args.prompt,
         "results": results,
