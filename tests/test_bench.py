@@ -16,6 +16,8 @@ TINY = {
     "loss": ["--tokens", "64", "--vocab", "500", "--top-k", "16", "--chunk", "16", "--time-tokens", "32", "--repeats", "2"],
     "decode": [*MODEL, "--batches", "1,4", "--prompt", "8", "--kv-heads", "1", "--min-seconds", "0", "--warmup", "1"],
     "train": [*MODEL, "--loss-top-k", "8", "--chunk", "8"],
+    "engine": ["--models", "teacher", "--batches", "2", "--ratios", "0.5", "--steps", "2", "--repeats", "1",
+               "--threads", "1"],
 }
 
 

@@ -10,6 +10,7 @@ noisy shared machine; absolute times are printed too and become meaningful on a 
     python -m slimwise_train.bench train      # distillation step vs a naive two-copy step and the lower bound
     python -m slimwise_train.bench memory     # per-rank memory of the trainer on a saved checkpoint, per engine
     python -m slimwise_train.bench lm_eval    # lm-eval's slimwise model vs the eval app: same cells, wall-time ratio
+    python -m slimwise_train.bench engine     # llama.cpp decode/prefill: full vs pruned, beside this machine's roofline
 
 `memory` launches torchrun itself (2 ranks) and prints one JSON line per engine, then its targets.
 """

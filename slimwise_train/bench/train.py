@@ -135,7 +135,12 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
         steps["naive"] = naive
 
     if "ours" in variants or "lower_bound" in variants:
-        model = DistillModel(teacher, keep, StudentSpec(seed=args["seed"]))
+        # The student the naive step mirrors (routers, norms, a shared expert; no LoRA): the slot's extra columns where
+        # the family has a slot, else a new expert. The default on a family without a slot trains LoRA on the kept
+        # experts instead, which the naive step has no counterpart of.
+        mode = "auto" if adapter.has_native_slot else "new"
+        spec = StudentSpec(seed=args["seed"], shared_expert_mode=mode, lora=None)
+        model = DistillModel(teacher, keep, spec)
         trainable = [p for _, p in model.trainable_named_parameters()]
     if "ours" in variants:
         # The real step: Trainer.train_step on a trainer whose setup() is replaced by the attributes it would set
