@@ -3,6 +3,7 @@
     python -m slimwise_train.serve gguf <hf checkpoint folder> --outfile model.gguf [--outtype f32|f16|bf16|q8_0]
     python -m slimwise_train.serve generate --prefill full.gguf --decode pruned.gguf --prompts prompts.jsonl \\
         [--max-new-tokens 256] [--temperature 0] [--stop STR ...] [--output completions.jsonl]
+    python -m slimwise_train.serve server --gguf full.gguf --port 8081 --slot-dir slots   # llama-server, our flags
     python -m slimwise_train.serve client --prefill-url http://127.0.0.1:8081 --decode-url http://127.0.0.1:8082 \\
         --slot-dir /srv/slots --prompts prompts.jsonl [same generation flags]
 
@@ -111,6 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="default: the CPUs this process may use")
     _add_generation_flags(p)
 
+    p = sub.add_parser("server", help="start llama-server (the one make built) with the flags the handoff needs",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--gguf", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--slot-dir", required=True, help="--slot-save-path, shared by the prefill and decode servers")
+    p.add_argument("--n-ctx", type=int, default=2048)
+    p.add_argument("--threads", type=int, default=None, help="default: the CPUs this process may use")
+    p.add_argument("--kv-type", default="f16", choices=["f16", "f32"], help="must be equal on both servers")
+
     p = sub.add_parser("client", help="full prefill on one llama-server, pruned decode on another",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prefill-url", required=True)
@@ -119,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-gguf", default=None, help="the prefill server's GGUF, if /props' model_path is not visible here")
     p.add_argument("--decode-gguf", default=None)
     p.add_argument("--tokenizer-gguf", default=None, help="GGUF whose vocabulary tokenizes text prompts (default: the prefill one)")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for both servers to be healthy")
     _add_generation_flags(p)
 
     args = parser.parse_args(argv)
@@ -145,13 +156,27 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"serve: prefill {s.prefill_tokens} tokens in {s.prefill_s:.2f} s, decode {s.decode_tokens} tokens "
                       f"in {s.decode_s:.2f} s ({s.decode_tokens / max(s.decode_s, 1e-9):.1f} tok/s), "
                       f"{s.state_bytes / 1e6:.2f} MB of state moved in {s.transfer_s:.3f} s", file=sys.stderr)
+        elif args.command == "server":
+            import os
+
+            from slimwise_train.serve.server import ServerSpec
+
+            if not Path(args.gguf).is_file():
+                raise ValueError(f"--gguf {args.gguf}: no such file")
+            slots = Path(args.slot_dir)
+            slots.mkdir(parents=True, exist_ok=True)
+            spec = ServerSpec(Path(args.gguf), args.port, slots.resolve(), args.n_ctx,
+                              args.threads or len(os.sched_getaffinity(0)), args.kv_type)
+            command = spec.command()
+            print("serve: " + " ".join(command), file=sys.stderr, flush=True)
+            os.execv(command[0], command)
         else:
             from slimwise_train.serve.llamacpp import GGUFModel
             from slimwise_train.serve.server import DisaggregatedClient, _call
 
             rows = _read_prompts(args.prompts)
             client = DisaggregatedClient(args.prefill_url, args.decode_url, args.slot_dir, args.prefill_gguf,
-                                         args.decode_gguf)
+                                         args.decode_gguf, wait_s=args.wait)
             vocab_file = args.tokenizer_gguf or args.prefill_gguf or _call(args.prefill_url + "/props")["model_path"]
             vocab = GGUFModel(vocab_file, vocab_only=True)
             requests = _requests(args, rows, vocab.tokenize)

@@ -132,13 +132,29 @@ def _server_metadata(url: str) -> tuple[str, dict[str, str]]:
         model.close()
 
 
+def wait_healthy(url: str, timeout: float) -> None:
+    """Wait until a llama-server answers /health with ok (it loads its model first), at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if _call(url + "/health", timeout=2).get("status") == "ok":
+                return
+        except ServerError:
+            pass
+        if time.monotonic() > deadline:
+            raise ServerError(f"{url} is not a healthy llama-server after {timeout:.0f} s")
+        time.sleep(0.25)
+
+
 class DisaggregatedClient:
     """Prefill on one llama-server, decode on another (module docstring); greedy or sampled, one request at a
     time per slot."""
 
     def __init__(self, prefill_url: str, decode_url: str, slot_dir: str | os.PathLike,
-                 prefill_gguf: str | None = None, decode_gguf: str | None = None):
+                 prefill_gguf: str | None = None, decode_gguf: str | None = None, wait_s: float = 0.0):
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+        for url in (self.prefill_url, self.decode_url):
+            wait_healthy(url, wait_s)
         self.slot_dir = Path(slot_dir)
         from slimwise_train.serve.llamacpp import GGUFModel
 
