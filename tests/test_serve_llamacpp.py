@@ -100,26 +100,33 @@ def assert_same_greedy(engine_tokens, reference, prefill_model, decode_model, pr
 
 
 # ------------------------------------------------------------------------------------------------ conversion
-def test_byte_level_rewrite_keeps_ids_and_gguf_tokenizes_like_transformers_on_the_suite(served):
-    texts = gguf.project_check_texts()
-    assert len(texts) == 300
-    for name, folder in (("teacher", TEACHER), ("pruned", served["root"] / "pruned")):
-        assert gguf.check_tokenization(served["root"] / f"{name}.gguf", folder, texts) == (300, 300), name
-    # Without the rewrite llama.cpp drops the spaces of a raw-character vocabulary (the issue's 0/300): convert
-    # the original tokenizer.json as it is, with the same pre-tokenizer, and count.
-    tok = json.loads((TEACHER / "tokenizer.json").read_text())
-    assert not gguf.is_byte_level(tok) and gguf.is_byte_level(gguf.to_byte_level(tok))
+@pytest.fixture(scope="module")
+def raw_gguf(served):
+    """The teacher as llama.cpp's converter writes it alone: the original tokenizer.json (no byte-level rewrite),
+    the pre-tokenizer named, no slimwise metadata."""
+    from slimwise_train.serve.llamacpp import source_dir
+
     staging = served["root"] / "raw"
     staging.mkdir()
     for item in TEACHER.iterdir():
         (staging / item.name).symlink_to(item)
-    proc = subprocess.run([sys.executable, "-m", "slimwise_train.serve._run_converter", "--source",
-                           str(__import__("slimwise_train.serve.llamacpp", fromlist=["x"]).source_dir()),
+    proc = subprocess.run([sys.executable, "-m", "slimwise_train.serve._run_converter", "--source", str(source_dir()),
                            "--metadata-json", "{}", "--pre-tokenizer", "default", "--", str(staging), "--outfile",
                            str(served["root"] / "raw.gguf")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    equal, total = gguf.check_tokenization(served["root"] / "raw.gguf", TEACHER, texts)
+    return served["root"] / "raw.gguf"
+
+
+def test_byte_level_rewrite_keeps_ids_and_gguf_tokenizes_like_transformers_on_the_suite(served, raw_gguf):
+    texts = gguf.project_check_texts()
+    assert len(texts) == 300
+    for name, folder in (("teacher", TEACHER), ("pruned", served["root"] / "pruned")):
+        assert gguf.check_tokenization(served["root"] / f"{name}.gguf", folder, texts) == (300, 300), name
+    # Without the rewrite llama.cpp drops the spaces of a raw-character vocabulary (the issue's 0/300)
+    equal, total = gguf.check_tokenization(raw_gguf, TEACHER, texts)
     assert equal < total // 10, (equal, total)
+    tok = json.loads((TEACHER / "tokenizer.json").read_text())
+    assert not gguf.is_byte_level(tok) and gguf.is_byte_level(gguf.to_byte_level(tok))
 
 
 def test_metadata_records_role_and_one_cache_fingerprint_for_teacher_and_pruned(served):
@@ -190,7 +197,7 @@ def test_stop_strings_budget_and_seeded_sampling(served):
     assert [c.tokens for c in a] != [c.tokens for c in other] and [c.tokens for c in a] != [c.tokens for c in greedy]
 
 
-def test_two_llama_servers_hand_off_through_slot_files(served, tmp_path):
+def test_two_llama_servers_hand_off_through_slot_files(served, raw_gguf, tmp_path):
     """Full model on one llama-server, pruned on another, slot state saved on the first and restored on the
     second: equal to handoff_generate, and the decode server evaluated one prompt token per request."""
     from slimwise_train.serve.server import DisaggregatedClient, LlamaServer, ServerSpec, free_port
@@ -205,12 +212,12 @@ def test_two_llama_servers_hand_off_through_slot_files(served, tmp_path):
         completions = client.generate([Request(p, BUDGET) for p in prompts])
         assert all(n == 1 for n in client.prompt_tokens_evaluated_on_decode)
         with pytest.raises(CacheMismatch):  # the pruned model cannot prefill for the full one (other expert count
-            DisaggregatedClient(b.url, b.url, slots, decode_gguf=str(served["root"] / "raw.gguf"))  # no fingerprint
+            DisaggregatedClient(b.url, b.url, slots, decode_gguf=str(raw_gguf))  # no fingerprint
     assert_same_greedy([c.tokens for c in completions], reference, served["teacher"], served["pruned"], prompts)
     assert list(slots.iterdir()) == []  # slot files removed after use
 
 
-def test_a_state_from_another_model_is_refused_in_one_line(served, tmp_path):
+def test_a_state_from_another_model_is_refused_in_one_line(served, raw_gguf, tmp_path):
     """llama.cpp itself would accept these states (same shapes): the fingerprint and the header refuse them."""
     stranger = AutoModelForCausalLM.from_pretrained(TEACHER)
     with torch.no_grad():
@@ -224,7 +231,7 @@ def test_a_state_from_another_model_is_refused_in_one_line(served, tmp_path):
     served["tokenizer"].save_pretrained(tmp_path / "small")
     gguf.convert(tmp_path / "small", tmp_path / "small.gguf", log=_quiet)
     for other, message in (("stranger.gguf", "attention weights differ"), ("small.gguf", "qwen3moe.block_count"),
-                           (served["root"] / "raw.gguf", "has no slimwise.cache_fingerprint")):
+                           (raw_gguf, "has no slimwise.cache_fingerprint")):
         with pytest.raises(CacheMismatch, match=message) as error:
             EngineHandoff(served["root"] / "teacher.gguf", tmp_path / other, threads=1)
         assert "\n" not in str(error.value)
