@@ -10,13 +10,28 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Annotated, Any, List, Literal, Optional, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 # The Hydra config tree (conf/ at the repository root) shared by every app.
 CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+
+# Closed sets of choices, the one list of each (the modules that act on them read them from here). A field is
+# annotated `Annotated[str, <Literal>]`: OmegaConf 2.3 rejects Literal annotations, so it sees `str`, and
+# check_known_keys refuses a value outside the Literal in one line.
+# Where the student's shared capacity goes (distill/student.py): native = extra columns of the family's own shared
+# slot | new = a new expert beside the routed ones (exports with remote code) | none = no shared expert (with the
+# auto preset: LoRA on the kept experts instead) | auto = native where the family has a slot, else none.
+SharedExpertMode = Literal["auto", "native", "new", "none"]
+# distill.trainable presets (conf/distill/trainable/<name>.yaml; distill/lora.py maps each to its LoRA kind).
+TrainablePreset = Literal["auto", "always_on", "always_on+lora_experts", "always_on+lora_attention"]
+# A preset's LoRA: null | experts (fused expert tensors) | attention (q/k/v/o) | auto (experts where the student has
+# no shared expert, else null; resolved per family by DistillModel).
+LoraKind = Literal[None, "auto", "experts", "attention"]
+NormScope = Literal["all", "layer"]
+Recompute = Literal["none", "moe", "layer"]
 
 
 @dataclass
@@ -78,12 +93,14 @@ class TrainableConfig:
     """distill.trainable: a preset of conf/distill/trainable/ (distill/trainable=<name>) naming what trains beside
     the always-on tensors (routers, norms, shared expert: the flags in DistillConfig). See distill/lora.py."""
 
-    name: str = "always_on"  # always_on | always_on+lora_experts | always_on+lora_attention
-    lora: Optional[str] = None  # null | experts (fused expert tensors) | attention (q/k/v/o); set by the preset
+    # The defaults are the `auto` preset (conf/distill/trainable/auto.yaml sets nothing else): LoRA on the kept
+    # experts where the student has no shared expert (the families without a slot), else the always-on tensors only.
+    name: Annotated[str, TrainablePreset] = "auto"
+    lora: Annotated[Optional[str], LoraKind] = "auto"  # set by the preset
     rank: int = 8
     alpha: float = 16.0  # LoRA scale alpha / rank
-    # experts: fused expert tensor names (gate_up_proj, down_proj); attention: Linear names under self_attn
-    targets: List[str] = field(default_factory=list)
+    # experts / auto: fused expert tensor names (gate_up_proj, down_proj); attention: Linear names under self_attn
+    targets: List[str] = field(default_factory=lambda: ["gate_up_proj", "down_proj"])
 
 
 @dataclass
@@ -96,16 +113,16 @@ class DistillConfig:
     chunk_size: int = 1024  # loss rows per chunk (bounded memory at a 152k vocabulary)
     # student: what trains (all three kinds by default)
     shared_expert_intermediate_size: Optional[int] = None  # default: the routed expert size
-    # where the shared expert goes: native = extra columns of the family's own shared slot (exports as the stock
-    # class) | new = a new expert beside the routed ones (exports with remote code) | auto = native where the family
-    # has a slot (Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, Gemma 4), else new
-    shared_expert_mode: str = "auto"
+    # where the shared expert goes (SharedExpertMode above): auto = native where the family has a slot (Qwen2-MoE,
+    # Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, Gemma 4), else none. Every mode but `new` exports the stock class.
+    shared_expert_mode: Annotated[str, SharedExpertMode] = "auto"
     train_routers: bool = True
     train_norms: bool = True
-    norm_scope: str = "all"  # all: every RMSNorm with a weight (incl. q/k norms) | layer: decoder-layer norms + final
-    train_shared_expert: bool = True
+    # all: every RMSNorm with a weight (incl. q/k norms) | layer: decoder-layer norms + final
+    norm_scope: Annotated[str, NormScope] = "all"
+    train_shared_expert: bool = True  # false: no shared expert, whatever shared_expert_mode says (= mode none)
     # activation recompute in the student phase: none | moe (routed experts) | layer (decoder layers)
-    recompute: str = "none"
+    recompute: Annotated[str, Recompute] = "none"
     # teacher prefix + continuation in ONE forward, the cache cropped back to the prefix for the student (one
     # weight gather fewer per micro-batch under ZeRO-3). null: on when every KV-cache layer is full attention.
     teacher_single_pass: Optional[bool] = None
@@ -302,8 +319,20 @@ def to_container(cfg: Any) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
+def field_choices(schema: type) -> dict[str, tuple]:
+    """{field name: allowed values} for the fields of `schema` annotated `Annotated[..., Literal[...]]`."""
+    found = {}
+    for name, hint in get_type_hints(schema, include_extras=True).items():
+        if get_origin(hint) is Annotated:
+            for meta in hint.__metadata__:
+                if get_origin(meta) is Literal:
+                    found[name] = get_args(meta)
+    return found
+
+
 def check_known_keys(cfg: Any, schema: type, where: str = "") -> None:
-    """Raise ValueError for a key the typed schema does not know, anywhere in `cfg`.
+    """Raise ValueError for a key the typed schema does not know, or a value outside a field's Literal choices,
+    anywhere in `cfg`.
 
     Hydra lets `+group.key=value` add keys to a structured config (the fix it suggests for a typo), which would
     otherwise be ignored silently; free-form `dict` fields (tiny_overrides, extra) are not checked.
@@ -311,12 +340,16 @@ def check_known_keys(cfg: Any, schema: type, where: str = "") -> None:
     from omegaconf import DictConfig
 
     fields = {f.name: f for f in dataclasses.fields(schema)}
+    allowed = field_choices(schema)
     for key in cfg.keys() if isinstance(cfg, DictConfig) else ():
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean {where + '.' if where else ''}{close[0]}? " if close else ""
             raise ValueError(f"unknown config key {path!r}: {hint}known keys here: {', '.join(fields)}")
+        if key in allowed and cfg[key] not in allowed[key]:
+            names = ", ".join("null" if c is None else str(c) for c in allowed[key])
+            raise ValueError(f"{path}={cfg[key]!r} is not one of: {names}")
         sub_type = fields[key].type
         sub_schema = globals().get(sub_type) if isinstance(sub_type, str) else sub_type
         value = cfg._get_node(key)

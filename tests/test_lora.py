@@ -216,14 +216,18 @@ def test_presets_compose_and_bad_ones_fail(tmp_path):
         def cfg(*overrides):
             return compose(config_name="train", overrides=[f"output_dir={tmp_path}", *overrides])
 
-        assert lora_from_config(cfg().distill.trainable) is None
-        assert StudentSpec.from_config(cfg().distill).lora is None  # default: today's student, unchanged
+        # default: the auto preset, resolved per family by DistillModel (tests/test_stock_export.py)
+        auto = {"kind": "auto", "rank": 8, "alpha": 16.0, "targets": ["gate_up_proj", "down_proj"]}
+        assert lora_from_config(cfg().distill.trainable) == auto == StudentSpec.from_config(cfg().distill).lora
+        assert lora_from_config(cfg("distill/trainable=always_on").distill.trainable) is None
         experts = lora_from_config(cfg("distill/trainable=always_on+lora_experts").distill.trainable)
         assert experts == {"kind": "experts", "rank": 8, "alpha": 16.0, "targets": ["gate_up_proj", "down_proj"]}
         attention = cfg("distill/trainable=always_on+lora_attention", "distill.trainable.rank=4").distill.trainable
         assert lora_from_config(attention)["rank"] == 4
         with pytest.raises(ValueError, match="distill.trainable.name=always_on but distill.trainable.lora=experts"):
-            lora_from_config(cfg("distill.trainable.lora=experts").distill.trainable)
+            lora_from_config(cfg("distill/trainable=always_on", "distill.trainable.lora=experts").distill.trainable)
+        with pytest.raises(ValueError, match="distill.trainable.name=auto but distill.trainable.lora=attention"):
+            lora_from_config(cfg("distill.trainable.lora=attention").distill.trainable)
         with pytest.raises(Exception, match="rnak"):
             cfg("distill.trainable.rnak=4")
         with pytest.raises(Exception, match="always_on\\+lora_mlp"):

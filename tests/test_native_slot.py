@@ -209,17 +209,18 @@ def test_a_student_file_from_before_the_mode_existed_loads_as_a_new_shared_exper
 
 
 @pytest.mark.parametrize("model_type", NO_SLOT_FAMILIES)
-def test_native_on_a_family_without_a_slot_is_a_one_line_error_and_auto_means_new(model_type):
+def test_native_on_a_family_without_a_slot_is_a_one_line_error_and_auto_means_none(model_type):
     model = tiny_model(model_type)
-    with pytest.raises(ValueError, match="has no shared-expert slot.*use distill.shared_expert_mode=new") as error:
+    with pytest.raises(ValueError, match="has no shared-expert slot.*use distill.shared_expert_mode=auto or none "
+                                         r"\(stock-class export\) or new") as error:
         DistillModel(model, _keep(model), NATIVE)
     assert "\n" not in str(error.value)
-    assert DistillModel(model, _keep(model)).spec.shared_expert_mode == "new"
+    assert DistillModel(model, _keep(model)).spec.shared_expert_mode == "none"  # tests/test_stock_export.py
 
 
 def test_widths_a_family_cannot_express_and_unknown_modes_are_refused():
     model = tiny_model("deepseek_v3")
-    with pytest.raises(ValueError, match="=24 is not a multiple of moe_intermediate_size=16"):
+    with pytest.raises(ValueError, match="=24 is not a multiple of moe_intermediate_size=16.*shared_expert_mode=none"):
         DistillModel(model, _keep(model), StudentSpec(shared_expert_mode="native", shared_expert_intermediate_size=24))
     student = DistillModel(model, _keep(model), StudentSpec(shared_expert_mode="native",
                                                            shared_expert_intermediate_size=32))
@@ -228,7 +229,7 @@ def test_widths_a_family_cannot_express_and_unknown_modes_are_refused():
         DistillModel(model, _keep(model), StudentSpec(shared_expert_mode="slot"))
     # Gemma 4's KV-shared layers of a double-wide config build their MLP at twice intermediate_size.
     double_wide = tiny_config("gemma4_text", use_double_wide_mlp=True, num_kv_shared_layers=1)
-    with pytest.raises(ValueError, match="use_double_wide_mlp.*use distill.shared_expert_mode=new"):
+    with pytest.raises(ValueError, match="use_double_wide_mlp.*use distill.shared_expert_mode=none .* or new"):
         get_adapter(double_wide).widened_slot_config(double_wide, 16)
 
 

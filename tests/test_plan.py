@@ -62,7 +62,8 @@ def test_planner_runs_offline_for_every_real_preset(preset, capsys, monkeypatch)
     arch = line["architecture"]
     assert abs(arch["frozen_params"] / REAL_PRESETS[preset] - 1) < 0.01
     assert line["components"]["frozen_weights"] == arch["frozen_params"] * 2 // 8  # bf16, partitioned over 8
-    assert 0 < arch["trainable_params"] < 0.15 * arch["frozen_params"]  # Mixtral: a 14336-wide shared expert
+    # The default students: 0.2% (Mixtral) .. 1.1% (Qwen3-MoE's LoRA); a new shared expert made Mixtral's ~12%.
+    assert 0 < arch["trainable_params"] < 0.02 * arch["frozen_params"]
     assert arch["kept_expert_params"] == arch["expert_params"] // 2  # prune.ratio=0.5
     assert (line["micro_batch"], line["prefix_tokens"], line["continuation_tokens"]) == (1, 1, 4095)
 

@@ -94,7 +94,7 @@ def test_teacher_phase_ignores_trained_tensors_and_student_equals_folded_model(m
     with torch.no_grad():
         assert torch.equal(student(ids, phase="teacher", use_cache=False), original(ids).logits)
         trained = student(ids, phase="student", use_cache=False)
-        folded = folded_decoder(student)(ids).logits  # W + dW, w + dw, experts sliced, shared expert kept
+        folded = folded_decoder(student)(ids).logits  # W + dW, w + dw, LoRA merged, experts sliced, slot widened
         masking = PhaseMasking(original, _keep(original))
         with masking.phase("decode"):
             untrained = original(ids).logits
@@ -103,22 +103,31 @@ def test_teacher_phase_ignores_trained_tensors_and_student_equals_folded_model(m
 
 
 @families
-def test_only_routers_norms_and_shared_experts_train(model_type):
+@pytest.mark.parametrize("mode", ["auto", "new"])
+def test_only_routers_norms_and_shared_capacity_train(model_type, mode):
+    """The default student (auto: the family's own slot, else no shared expert and LoRA on the kept experts) and the
+    new-expert one: routers, norms and that capacity train, nothing else."""
     model = tiny_model(model_type)
     frozen_before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    student = DistillModel(model, _keep(model))
+    student = DistillModel(model, _keep(model), StudentSpec(shared_expert_mode=mode))
     names = [n for n, _ in student.trainable_named_parameters()]
-    kinds = {ROUTER_DELTA: 0, NORM_DELTA: 0, SHARED_EXPERT: 0, SLOT_COLUMNS: 0}  # native mode: SLOT_COLUMNS
+    # native mode: SLOT_COLUMNS; LoRA: peft's lora_A / lora_B of each adapted expert tensor
+    kinds = {ROUTER_DELTA: 0, NORM_DELTA: 0, SHARED_EXPERT: 0, SLOT_COLUMNS: 0, "lora_": 0}
     for name in names:
         hits = [k for k in kinds if k in name]
         assert len(hits) == 1, name
         kinds[hits[0]] += 1
     moes = get_adapter(model).moe_layers(model)
     assert kinds[ROUTER_DELTA] == len(moes) * (2 if model_type == "gpt_oss" else 1)  # GPT-OSS: weight + bias
-    assert kinds[SHARED_EXPERT] + kinds[SLOT_COLUMNS] == 3 * len(moes)
     assert kinds[NORM_DELTA] == len(find_norms(model, "all")) > 0
+    shared_expected = mode == "new" or get_adapter(model).has_native_slot
+    assert kinds[SHARED_EXPERT] + kinds[SLOT_COLUMNS] == (3 * len(moes) if shared_expected else 0)
+    assert kinds["lora_"] == (0 if shared_expected else 4 * len(moes))  # A and B of gate_up_proj and down_proj
     for moe in moes:  # default shared-expert size = routed expert size; down projection starts at zero
         shared = student.trainable_shared_expert(moe)
+        if not shared_expected:
+            assert shared is None
+            continue
         assert shared.down_proj.weight.shape[1] == routed_expert_size(model)
         assert not shared.down_proj.weight.any()
     counts = student.parameter_counts()
@@ -133,14 +142,15 @@ def test_only_routers_norms_and_shared_experts_train(model_type):
             assert p.grad is not None and torch.isfinite(p.grad).all(), name
         else:
             assert p.grad is None, name
-    assert any(p.grad.abs().sum() > 0 for n, p in student.trainable_named_parameters()
-               if SHARED_EXPERT in n or SLOT_COLUMNS in n)
+    capacity = [p for n, p in student.trainable_named_parameters()
+                if SHARED_EXPERT in n or SLOT_COLUMNS in n or "lora_B" in n]  # lora_A: zero gradient while B == 0
+    assert capacity and any(p.grad.abs().sum() > 0 for p in capacity)
 
 
 def test_student_spec_switches_and_shared_expert_size():
     model = tiny_model("qwen3_moe")
     student = DistillModel(model, _keep(model), StudentSpec(train_norms=False, shared_expert_intermediate_size=8,
-                                                           norm_scope="layer"))
+                                                           norm_scope="layer", shared_expert_mode="new"))
     names = [n for n, _ in student.trainable_named_parameters()]
     assert not any(NORM_DELTA in n for n in names)
     assert all(getattr(m.block, SHARED_EXPERT).gate_proj.weight.shape[0] == 8 for m in student.moe_layers)
@@ -148,7 +158,11 @@ def test_student_spec_switches_and_shared_expert_size():
     assert layer_norms and not any("q_norm" in n or "k_norm" in n for n in layer_norms)
     with pytest.raises(ValueError, match="nothing to train"):
         DistillModel(tiny_model("qwen3_moe"), _keep(model),
-                     StudentSpec(train_routers=False, train_norms=False, train_shared_expert=False))
+                     StudentSpec(train_routers=False, train_norms=False, train_shared_expert=False, lora=None))
+    # Without a shared expert the default preset's LoRA is what trains.
+    lora_only = DistillModel(tiny_model("qwen3_moe"), _keep(model),
+                             StudentSpec(train_routers=False, train_norms=False, train_shared_expert=False))
+    assert lora_only.parameter_counts()["trainable"] == lora_only.parameter_counts()["lora"] > 0
 
 
 def test_keep_set_of_another_model_is_rejected():
@@ -210,10 +224,25 @@ def test_exported_decoder_reloads_in_a_fresh_process(tmp_path):
 
 
 def test_without_a_shared_expert_the_export_is_the_stock_class(tmp_path):
+    """train_shared_expert=false on a family with a slot (the default LoRA on the kept experts then trains in its
+    place) and plain routers + norms on one without (the no-module default: tests/test_stock_export.py)."""
     from transformers import AutoModelForCausalLM
 
-    model = tiny_model("qwen3_moe")
+    model = tiny_model("qwen2_moe")
     student = DistillModel(model, _keep(model), StudentSpec(train_shared_expert=False))
+    assert student.spec.shared_expert_mode == "none" and student.spec.lora["kind"] == "experts"
+    _perturb(student)
+    export_student(student, tmp_path / "slot")
+    config = (tmp_path / "slot" / "config.json").read_text()
+    assert '"model_type": "qwen2_moe"' in config and "Slimwise" not in config
+    assert '"shared_expert_intermediate_size": 24' in config  # the stock slot, not widened
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "slot")
+    ids = _ids()
+    with torch.no_grad():
+        assert (reloaded(ids).logits - student(ids, phase="student", use_cache=False)).abs().max() <= FOLD_TOL
+
+    model = tiny_model("qwen3_moe")
+    student = DistillModel(model, _keep(model), StudentSpec(lora=None))
     _perturb(student)
     export_student(student, tmp_path / "export")
     config = (tmp_path / "export" / "config.json").read_text()

@@ -59,11 +59,12 @@ def trained(tmp_path_factory):
 
 
 def test_loss_falls_and_every_term_is_logged(trained):
-    _, summary, out = trained
+    trainer, summary, out = trained
     records = read_metrics(out)
     evals = [r for r in records if "eval/loss" in r]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 16
-    # Held-out loss of the untrained (= masked) student vs after 16 steps; measured 0.769 -> 0.716.
+    # Held-out loss of the untrained (= masked) student vs after 16 steps; measured 0.792 -> 0.745 with the default
+    # student here (LoRA on the kept experts; the new-expert student: -> 0.747).
     assert evals[-1]["eval/loss"] < 0.97 * evals[0]["eval/loss"]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 17))
@@ -76,7 +77,10 @@ def test_loss_falls_and_every_term_is_logged(trained):
         assert r["split_fraction"]["count"] == 4 and 0.0 < r["split_fraction"]["min"] <= r["split_fraction"]["max"] < 1.0
     first = records[0]
     assert first["trainable_params"] == summary["trainable_params"] > 0
-    assert 0.0 < first["trainable_share"] < 0.1
+    counts = trainer.student.parameter_counts()
+    assert first["trainable_share"] == counts["trainable"] / counts["total"]
+    # Rank-8 LoRA on 16-wide experts is a fifth of this tiny model (measured 0.21); real presets: ~1% (test_plan).
+    assert 0.0 < first["trainable_share"] < 0.25 and counts["lora"] > 0
     # The resolved config is saved with the run; W&B ran offline (no API key) into the run folder.
     saved = OmegaConf.load(out / "train_config.yaml")
     assert saved.output_dir == str(out) and saved.distill.max_steps == 16
@@ -91,11 +95,13 @@ def test_frozen_tensors_are_bitwise_unchanged(trained):
     fresh_params = dict(fresh.named_parameters())
     frozen = [(n, p) for n, p in trainer.student.model.named_parameters() if not p.requires_grad]
     assert len(frozen) == len(fresh_params)
-    for name, param in frozen:
-        assert torch.equal(param, fresh_params[name]), name
+    for name, param in frozen:  # peft's LoRA wrappers put the expert module under `base_layer` (one per tensor)
+        assert torch.equal(param, fresh_params[name.replace(".base_layer", "")]), name
     assert summary["frozen_unchanged"] is True
-    moved = [n for n, p in trainer.student.trainable_named_parameters() if "down_proj" in n or "router_delta" in n]
-    assert moved and all(trainer.student.get_parameter(n).abs().sum() > 0 for n in moved)  # training did move them
+    # The default student of the tiny Qwen3-MoE: router and norm deltas, LoRA on the kept experts (B starts at 0).
+    moved = [n for n, p in trainer.student.trainable_named_parameters() if "lora_B" in n or "router_delta" in n]
+    assert any("lora_B" in n for n in moved) and any("router_delta" in n for n in moved)
+    assert all(trainer.student.get_parameter(n).abs().sum() > 0 for n in moved)  # training did move them
 
 
 def test_checkpoints_are_complete_and_pruned(trained):
@@ -115,7 +121,6 @@ def test_checkpoints_are_complete_and_pruned(trained):
 FRESH = r"""
 import sys, torch
 from omegaconf import OmegaConf
-import slimwise_train.distill.export  # registers the Slimwise* architecture classes
 from transformers import AutoModelForCausalLM
 from slimwise_train.moe.handoff import continue_on_cache, prefill
 from slimwise_train.models import load_model
@@ -127,6 +132,7 @@ with torch.no_grad():
     _, cache = prefill(teacher, ids[:, :9])
     logits, _ = continue_on_cache(decoder, cache, ids[:, 9:])
 torch.save(logits, f"{out}/probe_fresh.pt")
+assert "slimwise_train.distill.export" not in sys.modules  # the Slimwise* classes were never registered
 """
 
 
@@ -148,7 +154,9 @@ def test_exported_student_reloads_in_a_fresh_process(trained):
     # Folded weights (W + dW) vs stock + delta: rounding only; measured ~2e-6.
     assert (fresh - expected).abs().max() <= 1e-4
     info = json.loads((out / "export" / "slimwise_export.json").read_text())
-    assert info["architecture"] == "registered" and info["num_kept"] == [4, 4]
+    # The default on a family without a slot: no added module, the stock class (FRESH never registers Slimwise*)
+    assert info["architecture"] == "stock" and info["trainable"] == "always_on+lora_experts"
+    assert info["num_kept"] == [4, 4]
     assert (out / "student_trainable.safetensors").stat().st_size < (out / "export" / "model.safetensors").stat().st_size
 
 

@@ -2,7 +2,7 @@
 
 Two artefacts, written atomically by rank 0 at the end of training:
 
-* `student_trainable.safetensors`: only the trained tensors (router deltas, norm deltas, shared experts) plus the
+* `student_trainable.safetensors`: only the trained tensors (router and norm deltas, shared experts, LoRA) plus the
   keep set and the student spec in its metadata. `load_student(teacher, path)` rebuilds the student on any copy
   of the teacher; this is the small file to ship when the teacher is already deployed (co-located serving).
 * `export/`: a Hugging Face checkpoint of the decode model alone: the kept experts (physically pruned), the routers
@@ -12,14 +12,16 @@ Two artefacts, written atomically by rank 0 at the end of training:
   form, a peft adapter folder (`adapter/`), is `lora.export_adapter`.
 
 Architecture of the exported checkpoint:
-  * without a shared expert (distill.train_shared_expert=false) it is the stock class (`AutoModelForCausalLM`, no
-    project code), like `pruning.export_pruned`;
+  * without a shared expert (shared_expert_mode=none, the default on the families without a slot of their own:
+    Qwen3-MoE, Mixtral, OLMoE, GPT-OSS; or distill.train_shared_expert=false) it is the stock class
+    (`AutoModelForCausalLM`, no project code), like `pruning.export_pruned`: routers and norms with their deltas
+    folded, the default preset's LoRA merged into the kept experts;
   * with the shared expert in the family's own slot (distill.shared_expert_mode=native; the default where there is
     one) it is the stock class too: the slot's trained extra columns are concatenated into its weights (gate/up
     rows, down columns) and the adapter's config field grows to match (`shared_expert_intermediate_size`,
     DeepSeek-V3's `n_shared_experts`, Gemma 4's `intermediate_size`), so any engine that loads the family loads it;
-  * with a new shared expert (shared_expert_mode=new: the families without a slot), no stock class has an
-    ungated shared expert in the right place for every family, so it is a registered architecture: model_type
+  * with a new shared expert (shared_expert_mode=new, explicit only), no stock class has an ungated shared expert
+    in the right place for every family, so it is a registered architecture: model_type
     `slimwise_<base model_type>`, class `Slimwise<StockClass>`, which is the stock class plus one `SharedExpert`
     per MoE block (`<block>.slimwise_shared_expert`, added to the routed experts' output). The folder is
     self-describing: `modeling_slimwise.py` (transformers and torch only, no project import) and an `auto_map` in
@@ -55,7 +57,7 @@ from slimwise_train.distill.student import (
     StudentSpec,
     text_config,
 )
-from slimwise_train.distill.lora import merge_lora_
+from slimwise_train.distill.lora import merge_lora_, preset_name
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.pruning import check_exportable, prune_experts_
 from slimwise_train.utils.atomic import atomic_dir, atomic_path
@@ -226,8 +228,9 @@ def load_student(teacher: torch.nn.Module, path: str | os.PathLike) -> DistillMo
             raise ValueError(f"{path} is not a slimwise student file (format {meta.get('format')!r})")
         state = {k: handle.get_tensor(k) for k in handle.keys()}
     keep_set = KeepSet.from_dict(json.loads(meta["keep_set"]))
-    # Files written before shared_expert_mode existed trained a new shared expert.
-    spec = StudentSpec(**{"shared_expert_mode": "new", **json.loads(meta["spec"])})
+    # Files written before shared_expert_mode existed trained a new shared expert, and before distill.trainable no
+    # LoRA; the StudentSpec defaults (auto) would rebuild another student for them.
+    spec = StudentSpec(**{"shared_expert_mode": "new", "lora": None, **json.loads(meta["spec"])})
     student = DistillModel(teacher, keep_set, spec)
     names = {n for n, _ in student.trainable_named_parameters()}
     if names != set(state):
@@ -313,7 +316,8 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
     model = folded_decoder(student, in_place=in_place)
     config = text_config(model)
     base_model_type = config.model_type
-    # A new shared expert needs the registered architecture; a native one was folded into the stock slot.
+    # A new shared expert needs the registered architecture; a native one was folded into the stock slot, and
+    # without one (mode none) there is nothing beyond the stock class.
     shared = student.spec.train_shared_expert and student.spec.shared_expert_mode == "new"
     if shared:
         config_cls, model_cls = REGISTERED[base_model_type]
@@ -349,6 +353,7 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
         "prefill": "the unpruned teacher prefills the prompt; this model decodes on its KV cache",
         "num_kept": list(student.keep_set.num_kept),
         "shared_expert": student.spec.shared_expert_mode if student.spec.train_shared_expert else None,
+        "trainable": preset_name(student.spec.lora),  # the resolved preset (LoRA merged into the weights above)
     }
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:

@@ -1,8 +1,15 @@
 """LoRA in the student phase (peft), the `distill.trainable` presets, and the two serving forms of an adapter.
 
-    distill/trainable=always_on                  routers, norms, a new shared expert (student.py; the default)
+    distill/trainable=auto                       the default: always_on where the student has a shared expert (its
+                                                 family's own slot), always_on+lora_experts where it has none (the
+                                                 families without a slot: shared_expert_mode auto -> none)
+    distill/trainable=always_on                  routers, norms and the shared expert if any (student.py)
     distill/trainable=always_on+lora_experts     + LoRA of rank r on every MoE layer's fused expert tensors
     distill/trainable=always_on+lora_attention   + LoRA on the attention projections (q/k/v/o by default)
+
+`auto` exists so that the default export of every family is its stock class: a family without a slot of its own
+would otherwise need a new module (a new shared expert, remote code); LoRA on the kept experts is the capacity it
+trains instead, merged into the kept experts at export.
 
 How peft 0.21 adapts a fused expert tensor (peft/tuners/lora/layer.py, `ParamWrapper`; `LoraConfig(
 target_parameters=[...])`): the experts module is wrapped (two nested wrappers for gate_up_proj and down_proj)
@@ -37,18 +44,23 @@ import copy
 import json
 import os
 from pathlib import Path
+from typing import get_args
 
 import torch
 from torch import nn
 
+from slimwise_train.config import TrainablePreset
 from slimwise_train.moe.adapters import MoEAdapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.atomic import atomic_dir
 from slimwise_train.utils.distributed import full_shape
 
-# preset name -> where LoRA goes (None: nothing beyond the always-on tensors)
-TRAINABLE_PRESETS = {"always_on": None, "always_on+lora_experts": "experts", "always_on+lora_attention": "attention"}
-LORA_KINDS = ("experts", "attention")
+# preset name (config.TrainablePreset, the one list) -> where LoRA goes (config.LoraKind: None = nothing beyond the
+# always-on tensors; auto: resolve_lora decides per family)
+_KIND = {"auto": "auto", "always_on": None, "always_on+lora_experts": "experts",
+         "always_on+lora_attention": "attention"}
+TRAINABLE_PRESETS = {name: _KIND[name] for name in get_args(TrainablePreset)}
+LORA_KINDS = ("experts", "attention")  # what peft is applied to (auto resolves to one of them or to none)
 DEFAULT_TARGETS = {"experts": ["gate_up_proj", "down_proj"], "attention": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 ADAPTER_NAME = "default"  # peft's adapter name, part of every LoRA parameter name (lora_A.default.weight)
 PEFT_PREFIX = "base_model.model."  # how PeftModel names the wrapped model's parameters in adapter_model.safetensors
@@ -62,7 +74,8 @@ ADAPTER_FORMAT = "slimwise-lora-adapter/1"
 
 
 def lora_from_config(trainable_cfg) -> dict | None:
-    """The `lora` entry of a StudentSpec from `distill.trainable` (None for always_on); ValueError on a bad preset."""
+    """The `lora` entry of a StudentSpec from `distill.trainable` (None for always_on; kind "auto" for the auto
+    preset, which DistillModel resolves with `resolve_lora`); ValueError on a bad preset."""
     if trainable_cfg is None:
         return None
     name, kind = str(trainable_cfg.name), trainable_cfg.lora
@@ -78,8 +91,17 @@ def lora_from_config(trainable_cfg) -> dict | None:
     if rank < 1 or alpha <= 0:
         raise ValueError(f"distill.trainable.rank must be >= 1 and alpha > 0, got rank={rank} alpha={alpha}")
     if not targets:
-        raise ValueError(f"distill.trainable.targets is empty; {kind} LoRA needs names, e.g. {DEFAULT_TARGETS[kind]}")
+        example = DEFAULT_TARGETS["experts" if kind == "auto" else kind]
+        raise ValueError(f"distill.trainable.targets is empty; {kind} LoRA needs names, e.g. {example}")
     return {"kind": kind, "rank": rank, "alpha": alpha, "targets": targets}
+
+
+def resolve_lora(lora: dict | None, has_shared_expert: bool) -> dict | None:
+    """A StudentSpec's `lora` with kind auto resolved: LoRA on the kept experts when the student has no shared
+    expert (its capacity, without adding a module), else none. Other entries are returned as they are."""
+    if not lora or lora["kind"] != "auto":
+        return lora
+    return None if has_shared_expert else {**lora, "kind": "experts"}
 
 
 def preset_name(lora: dict | None) -> str:

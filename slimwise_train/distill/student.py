@@ -16,17 +16,22 @@ hooks call them (as modules, so ZeRO-3 gathers their parameters; see engine.py) 
                  student out = stock out + x_hat * dw is the norm with weight w + dw. Norms before attention change
                  the K/V of the continuation tokens only; the prefix cache stays the teacher's (the SlimWise design).
 * shared expert  `SharedExpert` (gated MLP in the family's activation, down projection zero), placed by
-                 `StudentSpec.shared_expert_mode`:
-                 - native (the default, `auto`, where the family has a slot of its own: Qwen2-MoE / Qwen3-Next /
-                   Qwen3.5-MoE `shared_expert`, DeepSeek-V3 `shared_experts`, Gemma 4's dense `mlp`): extra
-                   intermediate columns of that slot, under it as `slimwise_slot_columns`; a hook adds their output
-                   to the slot's, which is exactly the slot widened by those columns (for Qwen before the sigmoid
-                   shared_expert_gate multiplies it, so the columns sit inside the gate). The export concatenates
-                   them into the slot: the stock class with a larger config width (export.py).
-                 - new (families without a slot): a new expert under the MoE block whose output is added to the
-                   routed experts' output (hook on `experts`, input [T, H] -> [T, H]), so it sits inside Gemma 4's
-                   post_feedforward_layernorm_2 like the routed experts. GPT-OSS experts are a clamped SwiGLU with
-                   biases; its shared expert is a plain SwiGLU (documented deviation). Exports with remote code.
+                 `StudentSpec.shared_expert_mode` (auto, the default: native where the family has a slot of its
+                 own, else none):
+                 - native (Qwen2-MoE / Qwen3-Next / Qwen3.5-MoE `shared_expert`, DeepSeek-V3 `shared_experts`,
+                   Gemma 4's dense `mlp`): extra intermediate columns of that slot, under it as
+                   `slimwise_slot_columns`; a hook adds their output to the slot's, which is exactly the slot widened
+                   by those columns (for Qwen before the sigmoid shared_expert_gate multiplies it, so the columns
+                   sit inside the gate). The export concatenates them into the slot: the stock class with a larger
+                   config width (export.py).
+                 - none (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS by default): no shared expert. The default trainable
+                   preset (`auto`, lora.py) trains LoRA on the kept experts instead, merged into them at export, so
+                   the export is the stock class there too (no module is added anywhere).
+                 - new (explicit only, for those who accept remote code): a new expert under the MoE block whose
+                   output is added to the routed experts' output (hook on `experts`, input [T, H] -> [T, H]), so it
+                   sits inside Gemma 4's post_feedforward_layernorm_2 like the routed experts. GPT-OSS experts are a
+                   clamped SwiGLU with biases; its shared expert is a plain SwiGLU (documented deviation). Exports
+                   with remote code (modeling_slimwise.py + auto_map).
 
 Optionally (`StudentSpec.lora`, distill.trainable) peft LoRA wraps the fused expert tensors or the attention
 projections in place; its layers are on in the student phase only (lora.py).
@@ -41,14 +46,16 @@ Shapes: T tokens (batch*seq flattened), H hidden, E routed experts, I shared-exp
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from slimwise_train.distill.lora import StudentLora, lora_from_config
+from slimwise_train.config import DistillConfig, NormScope, Recompute, SharedExpertMode, TrainableConfig
+from slimwise_train.distill.lora import StudentLora, lora_from_config, resolve_lora
 from slimwise_train.moe.adapters import NATIVE_SLOT_FAMILIES, MoEAdapter, MoELayer, get_adapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.distributed import full_shape
@@ -59,10 +66,10 @@ ROUTER_DELTA = "slimwise_router_delta"
 NORM_DELTA = "slimwise_norm_delta"
 SHARED_EXPERT = "slimwise_shared_expert"
 SLOT_COLUMNS = "slimwise_slot_columns"  # native mode: the extra columns of the family's own shared slot
-# auto: native where the family has a slot of its own, else new
-SHARED_EXPERT_MODES = ("auto", "native", "new")
-NORM_SCOPES = ("all", "layer")
-RECOMPUTE = ("none", "moe", "layer")
+# The choices live in config.py (one list each); auto: native where the family has a slot of its own, else none.
+SHARED_EXPERT_MODES = get_args(SharedExpertMode)
+NORM_SCOPES = get_args(NormScope)
+RECOMPUTE = get_args(Recompute)
 # Cache layers that a recomputed decoder layer can rewind (their update reassigns tensors; linear-attention state is
 # updated in place and cannot be rewound, so those layers recompute their routed experts only).
 _REWINDABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
@@ -71,17 +78,22 @@ _REWINDABLE_CACHE_LAYERS = ("DynamicLayer", "DynamicSlidingWindowLayer")
 @dataclass
 class StudentSpec:
     """Which parameter kinds train. `norm_scope`: all = every RMSNorm with a weight (incl. attention q/k norms),
-    layer = only norms that are direct children of a decoder layer, plus the final norm."""
+    layer = only norms that are direct children of a decoder layer, plus the final norm.
 
-    train_routers: bool = True
-    train_norms: bool = True
-    norm_scope: str = "all"
-    train_shared_expert: bool = True
+    The defaults are the config schema's (config.DistillConfig / TrainableConfig), so `StudentSpec()` is the student
+    a default training run builds. DistillModel resolves the two autos per family (`resolved`) and records that."""
+
+    train_routers: bool = DistillConfig.train_routers
+    train_norms: bool = DistillConfig.train_norms
+    norm_scope: str = DistillConfig.norm_scope
+    train_shared_expert: bool = DistillConfig.train_shared_expert
     shared_expert_intermediate_size: int | None = None  # None: the routed expert size
-    shared_expert_mode: str = "auto"  # auto | native | new (see the module docstring); DistillModel resolves auto
+    # auto | native | new | none (see the module docstring); DistillModel resolves auto
+    shared_expert_mode: str = DistillConfig.shared_expert_mode
     init_std: float = 0.02  # gate/up projections of the new shared expert
     seed: int = 0  # the shared expert init is drawn from its own generator, identical on every rank
-    lora: dict | None = None  # distill.trainable's LoRA (lora.py): kind (experts | attention), rank, alpha, targets
+    # distill.trainable's LoRA (lora.py): kind (experts | attention | auto), rank, alpha, targets; None: no LoRA
+    lora: dict | None = field(default_factory=lambda: lora_from_config(TrainableConfig()))
 
     @classmethod
     def from_config(cls, distill_cfg, seed: int = 0) -> "StudentSpec":
@@ -95,6 +107,14 @@ class StudentSpec:
             seed=seed,
             lora=lora_from_config(distill_cfg.get("trainable")),
         )
+
+    def resolved(self, adapter: MoEAdapter) -> "StudentSpec":
+        """This spec for `adapter`'s family with no auto left: the shared-expert mode (a student without a shared
+        expert always reads mode none, train_shared_expert false, however it was asked for) and the LoRA kind."""
+        mode = resolve_shared_expert_mode(adapter, self.shared_expert_mode)
+        shared = self.train_shared_expert and mode != "none"
+        return replace(self, shared_expert_mode=mode if shared else "none", train_shared_expert=shared,
+                       lora=resolve_lora(self.lora, shared))
 
 
 # --------------------------------------------------------------------------- trainable children
@@ -167,14 +187,16 @@ def activation_name(model) -> str:
 
 
 def resolve_shared_expert_mode(adapter: MoEAdapter, mode: str) -> str:
-    """`native` or `new` for this family: auto picks native where the family has a slot of its own."""
+    """`native`, `new` or `none` for this family: auto picks native where the family has a slot of its own, else
+    none (no added module, so the export stays the stock class)."""
     if mode not in SHARED_EXPERT_MODES:
         raise ValueError(f"unknown distill.shared_expert_mode {mode!r}; use one of {', '.join(SHARED_EXPERT_MODES)}")
     if mode == "auto":
-        return "native" if adapter.has_native_slot else "new"
+        return "native" if adapter.has_native_slot else "none"
     if mode == "native" and not adapter.has_native_slot:
         raise ValueError(f"distill.shared_expert_mode=native: {adapter.family} has no shared-expert slot of its own "
-                         f"(only {', '.join(NATIVE_SLOT_FAMILIES)} do); use distill.shared_expert_mode=new or auto")
+                         f"(only {', '.join(NATIVE_SLOT_FAMILIES)} do); use distill.shared_expert_mode=auto or none "
+                         "(stock-class export) or new (a new expert, exported with remote code)")
     return mode
 
 
@@ -284,11 +306,13 @@ class DistillModel(nn.Module):
         super().__init__()
         spec = spec or StudentSpec()
         self.adapter = adapter or get_adapter(model)
-        # The resolved mode (never auto) is what save_trainable records, so load_student rebuilds the same layout.
-        spec = replace(spec, shared_expert_mode=resolve_shared_expert_mode(self.adapter, spec.shared_expert_mode))
+        # The resolved spec (no auto) is what save_trainable records, so load_student rebuilds the same layout.
+        spec = spec.resolved(self.adapter)
         keep_set.check_model(model, self.adapter)
-        if not (spec.train_routers or spec.train_norms or spec.train_shared_expert):
-            raise ValueError("nothing to train: distill.train_routers, train_norms and train_shared_expert are all false")
+        if not (spec.train_routers or spec.train_norms or spec.train_shared_expert or spec.lora):
+            raise ValueError("nothing to train: distill.train_routers and train_norms are false and there is neither a "
+                             "shared expert (train_shared_expert=false or shared_expert_mode=none) nor LoRA "
+                             "(distill/trainable=always_on)")
         self.model = model
         self.keep_set = keep_set
         self.spec = spec
@@ -467,6 +491,10 @@ class DistillModel(nn.Module):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        # Without their phase hook the LoRA layers would keep whatever the last forward set (on after a student
+        # forward): switch them off, so the model is the stock one again like every other inert child.
+        for layer in self.lora.layers if self.lora else ():
+            layer._disable_adapters = True
         for wrapped in self._recomputed:
             wrapped.remove()
         self._recomputed.clear()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
+from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
@@ -35,7 +36,7 @@ from slimwise_train.config import TrainAppConfig, check_known_keys, to_container
 from slimwise_train.distill import batches as B
 from slimwise_train.distill.checkpoint import gather_objects, load_checkpoint, resolve_resume, save_checkpoint
 from slimwise_train.distill.engine import build_engine, partitioned_loading, validate_engine_config
-from slimwise_train.distill.lora import lora_from_config
+from slimwise_train.distill.lora import lora_from_config, preset_name
 from slimwise_train.distill.losses import KL_LOSSES, distill_loss
 from slimwise_train.distill.metrics import LOGGERS, build_sink
 from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
@@ -97,6 +98,7 @@ class Trainer:
         self.sink = None
         self.claim = contextlib.ExitStack()
         self.loading = None
+        self.frozen_names: list[str] | None = None  # the digest's order, fixed by its first call
 
     # ================================================================== setup
     def setup(self) -> "Trainer":
@@ -138,10 +140,11 @@ class Trainer:
         # the engine can gather the parameters.
         self.frozen_digest = (self._frozen_digest() if cfg.distill.check_frozen and self.loading is None else None)
         log.info(
-            "trainable parameters: %d of %d (%.3f%%): routers %d, norms %d (%d modules), shared experts %d, LoRA %d",
+            "trainable parameters: %d of %d (%.3f%%): routers %d, norms %d (%d modules), shared experts %d, LoRA %d "
+            "(shared_expert_mode %s, trainable %s)",
             self.counts["trainable"], self.counts["total"], 100 * self.counts["trainable"] / self.counts["total"],
             self.counts["router"], self.counts["norm"], len(self.student.norm_names), self.counts["shared_expert"],
-            self.counts["lora"],
+            self.counts["lora"], self.student.spec.shared_expert_mode, preset_name(self.student.spec.lora),
         )
 
         # ---- data
@@ -277,10 +280,15 @@ class Trainer:
 
     def _frozen_digest(self) -> str:
         """sha256 over every frozen tensor's bytes, one parameter at a time (ZeRO-3 gathers each in turn)."""
+        params = dict(self.student.named_parameters())
+        # In the order of the first call, not named_parameters' current one: a student forward re-registers every
+        # LoRA-adapted expert tensor at the end of its module (peft's parametrization is removed after each call),
+        # which reorders GPT-OSS's tensors and biases and would change the digest of unchanged weights.
+        if self.frozen_names is None:
+            self.frozen_names = [name for name, param in params.items() if not param.requires_grad]
         h = hashlib.sha256()
-        for name, param in self.student.named_parameters():
-            if param.requires_grad:
-                continue
+        for name in self.frozen_names:
+            param = params[name]
             with self.engine.gathered_parameters([param]) if self.engine is not None else contextlib.nullcontext():
                 h.update(name.encode())
                 h.update(param.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
@@ -303,6 +311,20 @@ class Trainer:
 
     def _resume(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())
+        # Another student first (e.g. a run from before the no-module default, which trained a new shared expert on
+        # the families without a slot): it would fail with a KeyError under engine=torch and load partly under
+        # DeepSpeed, and LoRA's wrappers rename the frozen tensors, so the frozen digest below would blame the weights.
+        with safe_open(str(path / "trainable.safetensors"), "pt") as handle:
+            saved = set(handle.keys())
+        mine = {name for name, _ in self.student.trainable_named_parameters()}
+        if saved != mine:
+            raise ValueError(
+                f"cannot resume from {path}: it trained another student ({len(saved - mine)} tensors not in this one, "
+                f"e.g. {sorted(saved - mine)[:1]}; {len(mine - saved)} missing, e.g. {sorted(mine - saved)[:1]}); "
+                "set distill.shared_expert_mode and distill/trainable to what that run trained (before the no-module "
+                "default, auto on a family without a slot meant distill.shared_expert_mode=new with "
+                "distill/trainable=always_on), or use resume=never"
+            )
         expected = [("global_batch", self.global_batch), ("data_fingerprint", self.data_fingerprint),
                     ("engine", self.cfg.engine.name)]
         if self.frozen_digest is not None and state.get("frozen_digest") is not None:

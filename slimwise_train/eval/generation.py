@@ -225,10 +225,11 @@ def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, Ke
     """(student decode model, the keep set it was pruned with or None) from an exported checkpoint folder.
 
     The one place that knows the student export format: a `from_pretrained` folder, optionally with
-    `slimwise_keep_set.json` (as `pruning.export_pruned` and `distill.export.export_student` write). A student with
-    a new shared expert is the registered `slimwise_<model_type>` architecture, so `slimwise_train.distill.export`
-    is imported first; one trained into the family's own shared slot is the stock class. It must share the full model's vocabulary and layers (attention is never pruned), since it
-    decodes over the full model's cache.
+    `slimwise_keep_set.json` (as `pruning.export_pruned` and `distill.export.export_student` write). The default
+    students are the stock class (the family's own shared slot widened, or LoRA merged into the kept experts); one
+    with a new shared expert (distill.shared_expert_mode=new) is the registered `slimwise_<model_type>`
+    architecture, so `slimwise_train.distill.export` is imported first. It must share the full model's vocabulary and
+    layers (attention is never pruned), since it decodes over the full model's cache.
     """
     from transformers import AutoModelForCausalLM
 

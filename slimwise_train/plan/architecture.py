@@ -53,6 +53,11 @@ class LayerShape:
     stock_shared_size: int = 0  # the checkpoint's own shared expert (Qwen2/3.5/Next gated, DeepSeek ungated)
     stock_shared_gated: bool = False
     student_shared_size: int = 0  # the student's trained shared expert (new, or extra columns of the stock one)
+    # Elements of the fused expert tensors the student's LoRA parametrises (distill.trainable, the default on the
+    # families without a slot): peft materialises W + s B A for all E experts at every forward. Their input widths,
+    # summed (H for gate_up_proj, I for down_proj): a weight that needs a gradient makes its matmul save the input.
+    lora_expert_params: int = 0
+    lora_expert_inputs: int = 0
     params: int = 0  # every parameter of the decoder layer (frozen + the student's)
 
 
@@ -177,6 +182,7 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
     """(Architecture, the meta DistillModel) for the configured model, keep ratio and student."""
     from transformers import AutoModelForCausalLM
 
+    from slimwise_train.distill.lora import expert_wrappers
     from slimwise_train.distill.student import (
         DistillModel,
         StudentSpec,
@@ -204,6 +210,10 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
         student = DistillModel(model, keep_set, StudentSpec.from_config(distill_cfg), adapter=adapter,
                                recompute="none")
     counts = student.parameter_counts()
+    lora_params: dict[int, tuple[int, int]] = {}  # MoE layer index -> (parametrised elements, summed input widths)
+    for index, wrapper in expert_wrappers(student):
+        elements, inputs = lora_params.get(index, (0, 0))
+        lora_params[index] = (elements + wrapper.get_param().numel(), inputs + int(wrapper.in_features))
 
     decoder_layers = adapter.decoder_layers(model)
     by_index = {m.layer_index: m for m in moe_layers}
@@ -217,6 +227,7 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
             shape.expert_params = expert_params[index]
             # The trained shared capacity: a new expert, or extra columns of the family's own slot (native mode)
             shape.student_shared_size = _mlp_size(student.trainable_shared_expert(moe))
+            shape.lora_expert_params, shape.lora_expert_inputs = lora_params.get(index, (0, 0))
             if moe.shared_expert is not None:
                 shape.stock_shared_size = _mlp_size(moe.shared_expert)
                 shape.stock_shared_gated = moe.shared_expert_gate is not None
@@ -253,7 +264,7 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
         model_class=type(model).__name__, attn_implementation=str(model.config._attn_implementation),
         hidden=int(tcfg.hidden_size), vocab=int(model.get_output_embeddings().weight.shape[0]), layers=shapes,
         frozen_params=int(counts["frozen"]), trainable_params=int(counts["trainable"]),
-        trainable_by_kind={k: int(counts[k]) for k in ("router", "norm", "shared_expert")},
+        trainable_by_kind={k: int(counts[k]) for k in ("router", "norm", "shared_expert", "lora")},
         expert_params=int(total_experts), kept_expert_params=round(total_experts * kept_fraction),
         largest_other_module_params=int(largest_other), final_norm_width=final_width,
         final_logit_softcapping=getattr(tcfg, "final_logit_softcapping", None),

@@ -203,8 +203,11 @@ def mlp_saved_bytes(size: int, tokens: int, s: int, trainable: bool) -> int:
 
 def moe_saved_bytes(layer: LayerShape, tokens: int, hidden: int, s: int, recompute_moe: bool) -> int:
     """Routed experts (transformers' grouped path): per routed slot the expert's [2I] gate/up output, [I] activation
-    and [H] output; the router's fp32 probabilities and indices; the student's shared expert. Under
-    distill.recompute=moe only the block's input and the router's outputs stay."""
+    and [H] output; the router's fp32 probabilities and indices; the student's shared expert; with LoRA on the experts,
+    the parametrised tensors W + s B A (peft's baddbmm makes a new [E, out, in] tensor per forward, and the expert
+    code saves it for backward) and each adapted matmul's per-slot input ([H] for gate_up_proj, [I] for down_proj:
+    saved once the weight needs a gradient). Under distill.recompute=moe only the block's input and the router's
+    outputs stay."""
     T, E, k = tokens, layer.experts, layer.top_k
     router = T * (2 * E * 4 + 3 * k * 8 + 2 * k * 4 + E * 1)
     kept = T * hidden * s + router
@@ -215,7 +218,8 @@ def moe_saved_bytes(layer: LayerShape, tokens: int, hidden: int, s: int, recompu
         return kept
     routed = T * k * (hidden + 3 * layer.expert_size) * s + T * k * (3 * 8 + 4)
     student_shared = mlp_saved_bytes(layer.student_shared_size, T, s, True) if layer.student_shared_size else 0
-    return kept + routed + student_shared
+    lora = (layer.lora_expert_params + T * k * layer.lora_expert_inputs) * s
+    return kept + routed + student_shared + lora
 
 
 def layer_saved_bytes(arch: Architecture, layer: LayerShape, shape: Shape, s: int, recompute: str, eager: bool,
