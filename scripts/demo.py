@@ -6,6 +6,9 @@ outputs/demo/report.md:
   2. distill the pruned decoder (2 ranks, ZeRO-2) torchrun --nproc_per_node 2 -m slimwise_train engine=zero2
   3. evaluate full / conventional / SlimWise / reverse / SlimWise+distill   python -m slimwise_train.eval
   4. decode-step speedup of the keep set at batch 64        python -m slimwise_train.bench decode
+  5. serve in llama.cpp: the teacher, pruned and distilled decoders converted (python -m slimwise_train.serve gguf),
+     the full prefill handed to each decoder for 4 problems per family (compared with the eval app's outputs), and
+     llama.cpp's decode speed-up at 64 sequences
 Environment knobs (for quick looks; the defaults are the demo): DEMO_STEPS, DEMO_EVAL_N, DEMO_RATIO, DEMO_TEACHER,
 DEMO_BENCH=0 (skip step 4: the speedup then comes from the expert-bytes model, labelled as such).
 """
@@ -105,9 +108,60 @@ def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[fl
                    f"uniform top-{top_k} routing, {experts} vs {kept} experts")
 
 
-def mode_table(eval_dir: Path, speedup: float, source: str) -> list[str]:
+def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: Path, timings: dict) -> list[str]:
+    """Step 5: the demo's decoders in llama.cpp on the full model's prefill state, against the eval app's outputs."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.bench.engine import _time_model
+    from slimwise_train.data import synthetic
+    from slimwise_train.eval.generation import build_problems, family_budgets
+    from slimwise_train.serve.gguf import convert
+    from slimwise_train.serve.handoff import EngineHandoff, Request
+
+    print("\n=== serve in llama.cpp (python -m slimwise_train.serve)", flush=True)
+    start = time.time()
+    gguf_dir = OUT / "gguf"
+    gguf_dir.mkdir()
+    files = {name: convert(folder, gguf_dir / f"{name}.gguf", "f32", log=print)
+             for name, folder in (("teacher", teacher_dir), ("pruned", prune_dir / "pruned"),
+                                  ("student", train_dir / "export"))}
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    problems = build_problems(tokenizer, list(synthetic.FAMILIES), EVAL_N)
+    budgets = family_budgets(problems)  # the eval app's defaults: 2x the longest answer per family
+    chosen = [p for family in synthetic.FAMILIES for p in [q for q in problems if q.family == family][:4]]
+    recorded = {}
+    for line in (eval_dir / "generations.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        recorded[(row["mode"], row["prompt"])] = (row["output"], row["length"])
+    lines = ["| decoder (eval mode) | problems | equal to the eval app (text and length) | engine accuracy |",
+             "|---|---|---|---|"]
+    for decoder, mode in (("pruned", "slimwise"), ("student", "slimwise_distill")):
+        with EngineHandoff(files["teacher"], files[decoder], n_seq=len(chosen), kv_type="f32") as engine:
+            outs = engine.generate([Request(list(p.prompt_ids), budgets[p.family]) for p in chosen])
+        # the eval app's text: its tokenizer's decoding up to and excluding EOS (eval/metrics.py decode_output)
+        texts = [tokenizer.decode(c.tokens[:-1] if c.end == "eos" else c.tokens) for c in outs]
+        equal = sum(recorded.get((mode, p.prompt)) == (t, c.length) for p, c, t in zip(chosen, outs, texts))
+        correct = sum(synthetic.check(p.family, p.prompt, t, ended=c.end == "eos") for p, c, t in zip(chosen, outs, texts))
+        lines.append(f"| {decoder} ({mode}) | {len(chosen)} | {equal}/{len(chosen)} | {correct}/{len(chosen)} |")
+    rows = _time_model({"full": files["teacher"], "pruned_" + RATIO: files["pruned"]}, [BATCH], 64, 16, 3,
+                       len(os.sched_getaffinity(0)), "f16", tokenizer.vocab_size, print)
+    speed = rows[0]["decode_speedup"][RATIO]
+    timings["serve"] = round(time.time() - start, 1)
+    return lines + ["", f"llama.cpp decode, {BATCH} sequences, {len(os.sched_getaffinity(0))} threads, f32 weights, "
+                        f"f16 KV: full {rows[0]['decode_tok_s']['full']:g} tok/s, pruned "
+                        f"{rows[0]['decode_tok_s']['pruned_' + RATIO]:g} tok/s: **{speed:.2f}x** (paired over 3 rounds). "
+                        "The teacher is tiny (hidden 128), so a step is dominated by per-op overheads, not expert "
+                        "bytes: `python -m slimwise_train.bench engine` measures a Qwen3-30B-A3B-sized layer."]
+
+
+def mode_table(eval_dir: Path, speedup: float, source: str, student_dir: Path) -> list[str]:
     """What each mode buys (decode-step speed) next to what it costs (accuracy, lengths), pooled over families."""
     results = json.loads((eval_dir / "results.json").read_text())
+    # what the distilled decoder adds to the pruned one: a shared expert (read per step) or nothing (LoRA merged)
+    info_file = student_dir / "slimwise_export.json"
+    info = json.loads(info_file.read_text()) if info_file.is_file() else {}
+    student_note = ("+ its shared expert" if info.get("shared_expert")
+                    else f"{info.get('trainable', '?')} merged: the pruned model's size")
     rows = {r["mode"]: r for r in results["rows"] if r["family"] == "all"}
     lines = [f"| mode | prefill pool | decode pool | decode step at batch {BATCH} | accuracy | median / p90 length | "
              "hit budget |", "|---|---|---|---|---|---|---|"]
@@ -116,7 +170,7 @@ def mode_table(eval_dir: Path, speedup: float, source: str) -> list[str]:
             continue
         row = rows[mode]
         speed = 1.0 if decode_pool == "full" else speedup
-        mark = " (+ its shared expert)" if decode_pool == "student" else ""
+        mark = f" ({student_note})" if decode_pool == "student" else ""
         lines.append(f"| {mode} | {prefill_pool} | {decode_pool} | {speed:.2f}x{mark} | {row['accuracy']:.3f} | "
                      f"{row['median_length']:g} / {row['p90_length']:g} | {row['hit_budget']:.3f} |")
     return lines + ["", f"Decode-step speedup: {source}. Prefill runs the full pool in full, slimwise and "
@@ -131,17 +185,19 @@ def main() -> int:
     start = time.time()
     prune_dir, train_dir, eval_dir = OUT / f"reap-r{RATIO}", OUT / "distill", OUT / "eval"
     run("prune", [sys.executable, "-m", "slimwise_train.prune", *MODEL, "prune.criterion=reap",
-                  f"prune.ratio={RATIO}", f"prune.cache_dir={OUT / 'cache'}", f"hydra.run.dir={prune_dir}"],
+                  f"prune.ratio={RATIO}", "prune.export_checkpoint=true", f"prune.cache_dir={OUT / 'cache'}", f"hydra.run.dir={prune_dir}"],
         timings)
     keep_set = prune_dir / "keep_set.json"
     run("distill", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "slimwise_train", "experiment=demo", *MODEL[1:], f"prune.keep_set={keep_set}",
                     f"distill.max_steps={STEPS}", f"hydra.run.dir={train_dir}"], timings)
     run("eval", [sys.executable, "-m", "slimwise_train.eval", *MODEL, f"eval.keep_sets=[{keep_set}]",
-                 f"eval.student={train_dir}", f"eval.num_per_family={EVAL_N}", f"hydra.run.dir={eval_dir}"],
+                 f"eval.student={train_dir}", f"eval.num_per_family={EVAL_N}", "eval.save_generations=true",
+                 f"hydra.run.dir={eval_dir}"],
         timings)
     teacher_dir = Path(TEACHER) if TEACHER else REPO / "slimwise_train" / "assets" / "teacher"
     speedup, speedup_source = decode_speedup(teacher_dir, keep_set, timings)
+    serve_lines = engine_step(teacher_dir, prune_dir, train_dir, eval_dir, timings)
     total = round(time.time() - start, 1)
     prune_summary = json.loads((prune_dir / "prune_summary.json").read_text())
     eval_report = (eval_dir / "report.md").read_text()
@@ -155,8 +211,9 @@ def main() -> int:
         f"(routing mass kept per layer: {[round(m, 3) for m in prune_summary['kept_routing_mass']]}).",
         f"Distillation: {STEPS} steps, 2 ranks, DeepSpeed ZeRO-2 (`conf/experiment/demo.yaml`).",
         f"Wall time: {total} s in all ({', '.join(f'{k} {v} s' for k, v in timings.items())}).", "",
-        "## What each mode buys and costs", "", *mode_table(eval_dir, speedup, speedup_source), "",
+        "## What each mode buys and costs", "", *mode_table(eval_dir, speedup, speedup_source, train_dir / "export"), "",
         "## Evaluation", "", demoted(eval_report), "",
+        "## Served by llama.cpp", "", *serve_lines, "",
         "## Distillation log", "", *training_summary(train_dir), "",
         "## Length distributions", "", *[f"![{name}]({name})" for name in plots], "",
         "## Reproduce", "", "```", "make demo", "```",

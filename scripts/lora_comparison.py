@@ -1,10 +1,11 @@
-"""Stronger repair at high pruning: the `distill.trainable` presets side by side on the shipped teacher.
+"""Stronger repair at high pruning: students side by side on the shipped teacher.
 
-For each pruning ratio (REAP) and each preset (always_on, always_on+lora_experts, always_on+lora_attention) this
+For each pruning ratio (REAP) and each student variant (VARIANTS below: the new-expert student and the LoRA presets
+beside it, or the no-module default against the new-expert student) this
 runs the user's commands of `make demo` (scripts/demo.py) with the same seed, data and step count:
   1. python -m slimwise_train.prune model=teacher prune.criterion=reap prune.ratio=<r>
   2. torchrun --nproc_per_node 2 -m slimwise_train experiment=demo prune.keep_set=<keep_set.json> \\
-         distill/trainable=<preset> distill.max_steps=<steps>
+         <the variant's overrides> distill.max_steps=<steps>
   3. python -m slimwise_train.eval model=teacher eval.keep_sets=[<keep_set.json>] eval.student=<run> \\
          eval.modes=[slimwise_distill]          (plus one run of the full / untrained SlimWise baselines)
 and writes outputs/lora_comparison/report.md (cells: accuracy / median / p90 output length / share hitting the
@@ -12,9 +13,10 @@ token budget, per family of the synthetic suite) with each preset's trainable sh
 against always_on, and a dated copy to docs/lora-<date>.md.
 
     python scripts/lora_comparison.py                       # 2 ratios x 3 presets x 1000 steps
+    LORA_PRESETS=new_expert,no_module python scripts/lora_comparison.py   # stock export vs new expert (issue 22)
     LORA_STEPS=200 LORA_EVAL_N=50 python scripts/lora_comparison.py     # a quick look
-Knobs: LORA_STEPS, LORA_EVAL_N, LORA_RATIOS (0.5,0.75), LORA_PRESETS, LORA_OUT, LORA_DOCS (folder of the dated
-copy, default docs/; 0: none).
+Knobs: LORA_STEPS, LORA_EVAL_N, LORA_RATIOS (0.5,0.75), LORA_PRESETS (names in VARIANTS), LORA_OUT, LORA_DOCS
+(folder of the dated copy, default docs/; 0: none), LORA_DOCS_NAME (its name before the date, default lora).
 """
 
 from __future__ import annotations
@@ -32,7 +34,19 @@ OUT = Path(os.environ.get("LORA_OUT", REPO / "outputs" / "lora_comparison"))
 STEPS = int(os.environ.get("LORA_STEPS", 1000))
 EVAL_N = int(os.environ.get("LORA_EVAL_N", 200))
 RATIOS = os.environ.get("LORA_RATIOS", "0.5,0.75").split(",")
-PRESETS = os.environ.get("LORA_PRESETS", "always_on,always_on+lora_experts,always_on+lora_attention").split(",")
+# Student variants on the teacher (Qwen3-MoE: no shared slot of its own). The first is the step-time reference.
+VARIANTS = {
+    # a new shared expert (exported with remote code): what always_on meant before the no-module default
+    "new_expert": ["distill/trainable=always_on", "distill.shared_expert_mode=new"],
+    "always_on+lora_experts": ["distill/trainable=always_on+lora_experts", "distill.shared_expert_mode=new"],
+    "always_on+lora_attention": ["distill/trainable=always_on+lora_attention", "distill.shared_expert_mode=new"],
+    # the default on families without a slot: no added module, LoRA on the kept experts merged at export
+    "no_module": ["distill/trainable=auto", "distill.shared_expert_mode=auto"],
+}
+PRESETS = os.environ.get("LORA_PRESETS", "new_expert,always_on+lora_experts,always_on+lora_attention").split(",")
+_unknown = [p for p in PRESETS if p not in VARIANTS]
+if _unknown:
+    raise SystemExit(f"LORA_PRESETS: unknown {_unknown}; use some of {', '.join(VARIANTS)}")
 FAMILIES = ("math", "code", "tool")
 
 
@@ -89,7 +103,7 @@ def main() -> int:
             run(f"train-r{ratio}-{preset}",
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                  "-m", "slimwise_train", "experiment=demo", f"prune.keep_set={keep_sets[ratio]}",
-                 f"distill/trainable={preset}", f"distill.max_steps={STEPS}", "progress=false",
+                 *VARIANTS[preset], f"distill.max_steps={STEPS}", "progress=false",
                  f"hydra.run.dir={train_dir}"], timings, logs)
             train_dirs[ratio, preset] = train_dir
     # Baselines once: the full model and the untrained pruned decoder (SlimWise without distillation).
@@ -111,7 +125,7 @@ def main() -> int:
     (OUT / "report.md").write_text(report)
     docs_dir = os.environ.get("LORA_DOCS", str(REPO / "docs"))
     if docs_dir != "0":
-        docs = Path(docs_dir) / f"lora-{time.strftime('%Y-%m-%d')}.md"
+        docs = Path(docs_dir) / f"{os.environ.get('LORA_DOCS_NAME', 'lora')}-{time.strftime('%Y-%m-%d')}.md"
         docs.write_text(report)
         print(f"dated copy: {docs}")
     print("\n" + report)
@@ -122,7 +136,8 @@ def main() -> int:
 def render(keep_sets, train_dirs, eval_dirs, base_dir, timings, total) -> str:
     base = rows_of(base_dir)
     lines = [
-        "# Stronger repair at high pruning: LoRA presets vs always-on", "",
+        ("# Stock-class student (no added module) vs the new-expert student" if "no_module" in PRESETS
+         else "# Stronger repair at high pruning: LoRA presets vs always-on"), "",
         "Shipped teacher (`slimwise_train/assets/teacher`: stock Qwen3-MoE, 4 layers, 64 experts top-4), REAP "
         f"pruning, distillation `experiment=demo` (2 ranks, DeepSpeed ZeRO-2, lr 2e-3) for {STEPS} steps with the "
         "same seed and data for every preset, then the eval app's slimwise_distill mode (full prefill, distilled "
@@ -130,13 +145,14 @@ def render(keep_sets, train_dirs, eval_dirs, base_dir, timings, total) -> str:
         "hitting the token budget. Trainable share: trainable parameters / all parameters of the one training module "
         "(expert LoRA is allocated for every expert; in brackets the share that can train, i.e. without the removed "
         "experts' pairs, which stay zero). Step "
-        "time: mean training step against always_on at the same ratio (2 CPU ranks, shared machine: +-10% noise).",
+        f"time: mean training step against {PRESETS[0]} at the same ratio (2 CPU ranks, shared machine: +-10% noise). "
+        "Variants: " + "; ".join(f"`{p}`: {' '.join(VARIANTS[p])}" for p in PRESETS) + ".",
         "",
     ]
     for ratio in RATIOS:
         name = keep_sets[ratio].parent.name
         lines += [f"## {float(ratio):.0%} of the experts removed (`{name}`)", "",
-                  "| mode | math | code | tool | all | trainable share | step time vs always_on | held-out KL |",
+                  f"| mode | math | code | tool | all | trainable share | step time vs {PRESETS[0]} | held-out KL |",
                   "|---|---|---|---|---|---|---|---|"]
         full, full_all = cells(base, None, "full")
         lines.append(f"| full | {' | '.join(full)} | {full_all:.2f} | - | - | - |")
@@ -149,7 +165,7 @@ def render(keep_sets, train_dirs, eval_dirs, base_dir, timings, total) -> str:
             row, row_all = cells(rows_of(eval_dirs[ratio, preset]), name, "slimwise_distill")
             ratio_time = summary["step_seconds_mean"] / reference if reference else float("nan")
             share = f"{summary['trainable_share']:.2%}"
-            if preset.endswith("lora_experts") and PRESETS[0] == "always_on":
+            if preset.endswith("lora_experts") and PRESETS[0] == "new_expert":
                 lora = summary["trainable_params"] - always_on  # the LoRA pairs, removed experts' included
                 live = always_on + lora * (1 - float(ratio))
                 share += f" ({live / (summary['total_params'] - lora * float(ratio)):.2%})"

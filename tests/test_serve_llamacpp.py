@@ -344,3 +344,23 @@ def test_bench_engine_reports_ratios_bounds_and_targets(tmp_path):
         assert row["efficiency"]["0.5"] == pytest.approx(row["decode_speedup"]["0.5"] / row["bound"]["0.5"], abs=2e-3)
     assert set(result["targets_met"]) == {"decode_speedup_at_64", "efficiency_at_64"}
     assert list(tmp_path.iterdir()) == []  # the GGUF files of the run are gone
+
+
+def test_readme_serve_block_runs_as_written(tmp_path):
+    """The README's "Serve with llama.cpp" block, run as a user would from a checkout (the package linked into a
+    fresh folder, `python` the venv's): both routes print one completion each, equal to each other."""
+    import os
+    import re
+
+    repo = TEACHER.parents[2]
+    readme = (repo / "README.md").read_text()
+    section = readme[readme.index("## Serve with llama.cpp"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "slimwise_train").symlink_to(repo / "slimwise_train")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outputs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"index"')]
+    assert len(outputs) == 2 and outputs[0]["tokens"] == outputs[1]["tokens"] and outputs[0]["length"] > 0
+    assert (tmp_path / "teacher.gguf").is_file() and (tmp_path / "pruned.gguf").is_file()
