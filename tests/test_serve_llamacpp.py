@@ -276,6 +276,43 @@ def test_every_family_llama_cpp_serves_converts_and_hands_off(served, tmp_path):
         print(f"{family}: {exact}/{len(prompts)} equal")
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "qwen3_moe", "gpt_oss"])
+def test_distilled_exports_convert_and_decode_on_the_teachers_cache(served, tmp_path, family):
+    """A distilled export (every trainable tensor perturbed, as training would) in llama.cpp on the teacher's prefill
+    state, against handoff_generate(teacher, export) in transformers: two families whose shared slot grows (Qwen2-MoE,
+    DeepSeek-V3) and two whose LoRA is merged into the kept experts (the no-module default: Qwen3-MoE, GPT-OSS)."""
+    from slimwise_train.distill.export import export_student
+    from slimwise_train.distill.student import DistillModel
+
+    tokenizer = served["tokenizer"]
+    teacher = tiny_model(family, vocab_size=384, **REAL_SHAPES.get(family, {}))
+    teacher.save_pretrained(tmp_path / "teacher")
+    tokenizer.save_pretrained(tmp_path / "teacher")
+    layers = get_adapter(teacher).moe_layers(teacher)
+    keep = KeepSet.from_kept(layers, [list(range(0, m.num_experts, 2)) for m in layers],
+                             model_type=teacher.config.model_type)
+    student = DistillModel(tiny_model(family, vocab_size=384, **REAL_SHAPES.get(family, {})), keep)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in student.trainable_named_parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    export_student(student, tmp_path / "export", tokenizer=tokenizer)
+    info = json.loads((tmp_path / "export" / "slimwise_export.json").read_text())
+    assert info["architecture"] == "stock", info
+    for name in ("teacher", "export"):
+        gguf.convert(tmp_path / name, tmp_path / f"{name}.gguf", log=_quiet, check_texts=[])
+    meta = GGUFModel(tmp_path / "export.gguf", vocab_only=True).metadata()
+    assert meta["slimwise.role"] == "distilled"
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    prompts = [list(p.prompt_ids) for p in served["problems"][::5]]
+    with EngineHandoff(tmp_path / "teacher.gguf", tmp_path / "export.gguf", n_seq=6, kv_type="f32",
+                       n_ctx_per_seq=256, threads=1) as engine:
+        got = [c.tokens for c in engine.generate([Request(p, 12) for p in prompts])]
+    exact = assert_same_greedy(got, _reference(teacher.eval(), exported, prompts, 12), teacher, exported, prompts,
+                               min_exact=0.5)
+    print(f"{family} distilled export: {exact}/{len(prompts)} equal")
+
+
 def test_gemma4_with_a_non_gemma_tokenizer_is_an_error_not_a_file(served, tmp_path):
     model = tiny_model("gemma4_text", vocab_size=384, **REAL_SHAPES["gemma4_text"])
     model.save_pretrained(tmp_path / "g")
