@@ -313,6 +313,38 @@ def test_distilled_exports_convert_and_decode_on_the_teachers_cache(served, tmp_
     print(f"{family} distilled export: {exact}/{len(prompts)} equal")
 
 
+def test_exports_record_their_teachers_cache_fingerprint_for_every_family(tmp_path):
+    """An export records the fingerprint of its teacher's cache weights, read from the student in memory; for every
+    family it equals the one computed from the teacher's saved folder (the names agree), and an export whose
+    attention LoRA was merged keeps its teacher's even though its own attention weights differ."""
+    from slimwise_train.distill.export import export_student
+    from slimwise_train.distill.student import DistillModel, StudentSpec
+    from slimwise_train.utils.fingerprint import cache_fingerprint_of, is_cache_tensor
+
+    attention = {"kind": "attention", "rank": 4, "alpha": 8.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    for family in SUPPORTED_TINY:
+        teacher = tiny_model(family)
+        teacher.save_pretrained(tmp_path / family)
+        layers = get_adapter(teacher).moe_layers(teacher)
+        keep = KeepSet.from_kept(layers, [list(range(0, m.num_experts, 2)) for m in layers],
+                                 model_type=teacher.config.model_type)
+        specs = {"default": None, "attention": StudentSpec(shared_expert_mode="none", lora=attention)}
+        for variant, spec in specs.items():
+            if variant == "attention" and family != "qwen3_moe":
+                continue
+            student = DistillModel(tiny_model(family), keep, spec)
+            g = torch.Generator().manual_seed(2)
+            with torch.no_grad():
+                for _, p in student.trainable_named_parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            export_student(student, tmp_path / f"{family}-{variant}")
+            recorded = json.loads((tmp_path / f"{family}-{variant}" / "slimwise_export.json").read_text())
+            assert recorded["cache_fingerprint"] == gguf.cache_fingerprint(tmp_path / family), (family, variant)
+            own = AutoModelForCausalLM.from_pretrained(tmp_path / f"{family}-{variant}").state_dict()
+            changed = cache_fingerprint_of((n, t) for n, t in own.items() if is_cache_tensor(n))
+            assert (changed != recorded["cache_fingerprint"]) == (variant == "attention"), (family, variant)
+
+
 def test_gemma4_with_a_non_gemma_tokenizer_is_an_error_not_a_file(served, tmp_path):
     model = tiny_model("gemma4_text", vocab_size=384, **REAL_SHAPES["gemma4_text"])
     model.save_pretrained(tmp_path / "g")

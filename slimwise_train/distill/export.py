@@ -61,6 +61,7 @@ from slimwise_train.distill.lora import merge_lora_, preset_name
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.pruning import check_exportable, prune_experts_
 from slimwise_train.utils.atomic import atomic_dir, atomic_path
+from slimwise_train.utils.fingerprint import model_cache_fingerprint
 
 TRAINABLE_FORMAT = "slimwise-student-trainable/1"
 PREFIX = "slimwise_"
@@ -313,6 +314,9 @@ def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Mo
 def export_student(student: DistillModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = True,
                    in_place: bool = False) -> Path:
     """Write the distilled decoder as an HF checkpoint (see module docstring); returns the folder."""
+    # the teacher's cache fingerprint, read before LoRA is merged (attention LoRA changes the export's own attention
+    # weights, not the cache the teacher writes for it): what the llama.cpp handoff checks (serve/gguf.py)
+    teacher_fingerprint = model_cache_fingerprint(student.model)
     model = folded_decoder(student, in_place=in_place)
     config = text_config(model)
     base_model_type = config.model_type
@@ -354,6 +358,7 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
         "num_kept": list(student.keep_set.num_kept),
         "shared_expert": student.spec.shared_expert_mode if student.spec.train_shared_expert else None,
         "trainable": preset_name(student.spec.lora),  # the resolved preset (LoRA merged into the weights above)
+        "cache_fingerprint": teacher_fingerprint,
     }
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:

@@ -23,7 +23,6 @@ Writes are atomic: the GGUF appears complete under its name or not at all.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -43,9 +42,6 @@ FORMAT = "slimwise-gguf/1"
 # same way wherever its vocabulary has merges (see the module docstring); checked on every conversion anyway.
 PROJECT_PRETOKENIZER_PATTERN = r" ?[A-Za-z]+|[^A-Za-z]"
 PROJECT_PRETOKENIZER = "default"
-# Tensors that write the KV cache and that neither pruning nor distillation changes (norms are trained deltas).
-_CACHE_TENSOR = re.compile(r"(^|\.)(embed_tokens|self_attn|linear_attn|attn)\.")
-_NORM = re.compile(r"norm", re.IGNORECASE)
 UNRECOGNISED_EXIT = 3  # the converter wrapper's exit code for "pre-tokenizer not recognised"
 
 
@@ -144,39 +140,31 @@ def _safetensors_files(folder: Path) -> list[Path]:
 
 
 def cache_fingerprint(folder: str | os.PathLike) -> str:
-    """SHA-256 (hex) over the tensors that write the KV cache and that pruning and distillation leave as they are:
-    token embeddings and attention projections (norms excluded: distillation trains them), by sorted name, as
-    float32 values. Equal for a teacher, its pruned checkpoints and its distilled exports; different for another
-    model even when every shape matches."""
-    import torch
+    """utils/fingerprint.py's fingerprint of a checkpoint folder: the one its export recorded (a distilled export
+    records its teacher's, which differs from its own weights only where attention LoRA was merged), else computed
+    from its safetensors."""
     from safetensors import safe_open
 
+    from slimwise_train.utils.fingerprint import cache_fingerprint_of, is_cache_tensor
+
     folder = Path(folder)
+    record = folder / "slimwise_export.json"
+    if record.is_file():
+        recorded = json.loads(record.read_text()).get("cache_fingerprint")
+        if recorded:
+            return recorded
     files = _safetensors_files(folder)
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}")
-    where = {}
-    for path in files:
-        with safe_open(str(path), "pt") as handle:
-            for name in handle.keys():
-                if _CACHE_TENSOR.search(name) and not _NORM.search(name):
-                    where[name] = path
-    if not where:
-        raise ValueError(f"{folder}: no embedding or attention tensors found to fingerprint")
-    digest = hashlib.sha256()
-    handles = {}
-    try:
-        for name in sorted(where):
-            path = where[name]
-            if path not in handles:
-                handles[path] = safe_open(str(path), "pt").__enter__()
-            tensor = handles[path].get_tensor(name).to(torch.float32).contiguous()
-            digest.update(name.encode() + b"\0" + str(tuple(tensor.shape)).encode() + b"\0")
-            digest.update(tensor.numpy().tobytes())
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
-    return digest.hexdigest()
+
+    def named():
+        for path in files:
+            with safe_open(str(path), "pt") as handle:
+                for name in handle.keys():
+                    if is_cache_tensor(name):
+                        yield name, handle.get_tensor(name)
+
+    return cache_fingerprint_of(named())
 
 
 def _role(folder: Path) -> str:
