@@ -122,5 +122,5 @@ def test_readme_stays_a_users_page():
     readme = (PACKAGE.parent / "README.md").read_text()
     assert len(readme.splitlines()) < 300  # history goes to docs/, dated
     assert "make demo" in readme and "make test" in readme  # the two commands
-    for doc in ("architecture", "benchmarks", "teacher", "faults"):
+    for doc in ("architecture", "benchmarks", "teacher", "faults", "serving"):
         assert f"docs/{doc}.md" in readme and (PACKAGE.parent / "docs" / f"{doc}.md").is_file()
