@@ -45,6 +45,13 @@ if [ ! -f "$SRC/.unpacked" ]; then
 fi
 
 if [ ! -f "$BUILD/.built" ]; then
+    # CMake (and Ninja) from PyPI into the venv where the machine has none: the build needs nothing else but a C++
+    # compiler, which DeepSpeed's CPU op already needs.
+    if ! command -v cmake >/dev/null; then
+        echo "llama.cpp: no cmake on PATH, installing cmake and ninja from PyPI into the venv"
+        "$PY" -m pip install --quiet cmake ninja
+        PATH="$(dirname "$PY"):$PATH"
+    fi
     echo "llama.cpp: building libllama + llama-server with $JOBS jobs into $BUILD (about 15-20 min on 2 cores, once per CPU kind; log: $HOME_DIR/build.log)"
     start=$(date +%s)
     generator=()
