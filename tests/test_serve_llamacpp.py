@@ -159,7 +159,8 @@ def test_engine_greedy_equals_transformers_for_the_teacher_and_the_pruned_model(
     for name, model in (("teacher", served["teacher"]), ("pruned", served["pruned"])):
         with EngineHandoff(served["root"] / f"{name}.gguf", n_seq=4, kv_type="f32", threads=1) as engine:
             got = [c.tokens for c in engine.generate([Request(p, 32) for p in prompts])]
-        assert_same_greedy(got, _reference(model, model, prompts, 32), model, model, prompts)
+        exact = assert_same_greedy(got, _reference(model, model, prompts, 32), model, model, prompts)
+        print(f"{name} alone: {exact}/{len(prompts)} equal to transformers")
 
 
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
@@ -172,7 +173,9 @@ def test_in_process_handoff_equals_handoff_generate(served, kv_type):
                        threads=1) as engine:
         completions = engine.generate([Request(p, BUDGET) for p in prompts])
         assert engine.stats.waves == 4 and engine.stats.state_bytes > 0
-    assert_same_greedy([c.tokens for c in completions], reference, served["teacher"], served["pruned"], prompts, kv_type)
+    exact = assert_same_greedy([c.tokens for c in completions], reference, served["teacher"], served["pruned"], prompts,
+                               kv_type)
+    print(f"in-process handoff, {kv_type} KV: {exact}/{len(prompts)} equal to handoff_generate")
     # the cache handed over was used: decoding the pruned model alone gives other tokens somewhere
     alone = _reference(served["pruned"], served["pruned"], prompts)
     assert alone != reference
@@ -213,7 +216,8 @@ def test_two_llama_servers_hand_off_through_slot_files(served, raw_gguf, tmp_pat
         assert all(n == 1 for n in client.prompt_tokens_evaluated_on_decode)
         with pytest.raises(CacheMismatch):  # the pruned model cannot prefill for the full one (other expert count
             DisaggregatedClient(b.url, b.url, slots, decode_gguf=str(raw_gguf))  # no fingerprint
-    assert_same_greedy([c.tokens for c in completions], reference, served["teacher"], served["pruned"], prompts)
+    exact = assert_same_greedy([c.tokens for c in completions], reference, served["teacher"], served["pruned"], prompts)
+    print(f"two llama-servers: {exact}/{len(prompts)} equal to handoff_generate")
     assert list(slots.iterdir()) == []  # slot files removed after use
 
 
