@@ -172,7 +172,10 @@ def render(keep_sets, train_dirs, eval_dirs, base_dir, timings, total) -> str:
             lines.append(f"| + distill `{preset}` | {' | '.join(row)} | {row_all:.2f} | "
                          f"{share} | {ratio_time:.2f}x | {summary['eval/kl']:.4f} |")
         lines.append("")
-    lines += ["## Reproduce", "", "```", f"LORA_STEPS={STEPS} LORA_EVAL_N={EVAL_N} python scripts/lora_comparison.py",
+    knobs = f"LORA_STEPS={STEPS} LORA_EVAL_N={EVAL_N} LORA_PRESETS={','.join(PRESETS)}"
+    if os.environ.get("LORA_DOCS_NAME"):
+        knobs += f" LORA_DOCS_NAME={os.environ['LORA_DOCS_NAME']}"
+    lines += ["## Reproduce", "", "```", f"{knobs} python scripts/lora_comparison.py",
               "```", "", f"Wall time {total} s: " + ", ".join(f"{k} {v} s" for k, v in timings.items()) + "."]
     return "\n".join(lines) + "\n"
 
