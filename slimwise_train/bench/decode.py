@@ -131,6 +131,12 @@ def run_decode(args) -> dict:
         row["bound_efficiency"] = {}
         row["roofline_bound"] = {}
         row["roofline_efficiency"] = {}
+        # each variant's step against its own roofline time: how far the implementation is from the hardware (a
+        # ratio of two bounds is exceeded when the full step is further from its bound than the pruned one)
+        row["roofline_fraction"] = {}
+        if rates is not None:
+            row["roofline_fraction"]["full"] = round(
+                step_bound_s(shape, batch, args.prompt, rates, touched=experts_full) / med["full"], 3)
         for r in ratios:
             kept = num_to_keep(args.experts, r)
             experts_pruned = statistics.mean(touched[f"pruned_{r}"]) * kept
@@ -145,6 +151,8 @@ def run_decode(args) -> dict:
                 roof = (step_bound_s(shape, batch, args.prompt, rates, touched=experts_full)
                         / step_bound_s(pruned_shape, batch, args.prompt, rates, touched=experts_pruned))
                 row["roofline_bound"][str(r)] = round(roof, 3)
+                row["roofline_fraction"][f"pruned_{r}"] = round(
+                    step_bound_s(pruned_shape, batch, args.prompt, rates, touched=experts_pruned) / med[f"pruned_{r}"], 3)
                 row["roofline_efficiency"][str(r)] = round(speed / roof, 3)
         results.append(row)
         print(json.dumps({"partial": row}), file=sys.stderr, flush=True)

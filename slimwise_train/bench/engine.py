@@ -147,10 +147,15 @@ def _run_engine(args) -> dict:
                 n = row["sequences"]
                 full_bound = step_bound_s(shape_full, n, context, rates)
                 row["bound"], row["efficiency"] = {}, {}
+                # each variant's step against its own roofline time (how far llama.cpp is from the hardware)
+                step_s = {v: n / tok_s for v, tok_s in row["decode_tok_s"].items()}
+                row["roofline_fraction"] = {"full": round(full_bound / step_s["full"], 3)}
                 for r in ratios:
                     kept = shape_full.experts - int(shape_full.experts * r)
                     pruned = DecodeShape(**{**shape_full.__dict__, "experts": kept})
-                    bound = full_bound / step_bound_s(pruned, n, context, rates)
+                    pruned_bound = step_bound_s(pruned, n, context, rates)
+                    bound = full_bound / pruned_bound
+                    row["roofline_fraction"][f"pruned_{r}"] = round(pruned_bound / step_s[f"pruned_{r}"], 3)
                     row["bound"][str(r)] = round(bound, 3)
                     row["efficiency"][str(r)] = round(row["decode_speedup"][str(r)] / bound, 3)
             results[name] = {"model": f"qwen3_moe L{model.config.num_hidden_layers} H{model.config.hidden_size} "
