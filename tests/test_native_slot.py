@@ -54,6 +54,20 @@ def test_the_families_with_a_slot():
     assert set(NO_SLOT_FAMILIES) == {"qwen3_moe", "mixtral", "olmoe", "gpt_oss"}
 
 
+def export_perturbed_stock(family: str, spec, ids: torch.Tensor, folder):
+    """A student of `family` with every trainable tensor perturbed, its logits on the teacher's cache, and its export
+    to `folder`, checked to be a stock-class folder (no auto_map, no modeling file). Returns (student, logits, folder,
+    config.json as a dict)."""
+    model = tiny_model(family)
+    student = DistillModel(model, _keep(model), spec)
+    _perturb(student)
+    expected = _on_teacher_cache(student, ids)
+    folder = export_student(student, folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert "auto_map" not in config and not (folder / "modeling_slimwise.py").exists(), folder
+    return student, expected, folder, config
+
+
 def _on_teacher_cache(student: DistillModel, ids: torch.Tensor) -> torch.Tensor:
     """The handoff: the stock model (teacher phase) prefills ids[:, :SPLIT]; the student continues on its cache."""
     batch, length = ids.shape
@@ -147,14 +161,8 @@ def test_native_export_is_the_stock_class_and_decodes_on_the_teachers_cache_in_a
         tiny_model(family).save_pretrained(tmp_path / family / "teacher")
         torch.save(ids, tmp_path / family / "ids.pt")
         for variant, (spec, _) in TRAINED.items():
-            model = tiny_model(family)
-            student = DistillModel(model, _keep(model), spec)
-            _perturb(student)
             name = f"{family}/{variant}"
-            expected[name] = _on_teacher_cache(student, ids)
-            folder = export_student(student, tmp_path / name / "export")
-            config = json.loads((folder / "config.json").read_text())
-            assert "auto_map" not in config and not (folder / "modeling_slimwise.py").exists(), name
+            student, expected[name], folder, config = export_perturbed_stock(family, spec, ids, tmp_path / name / "export")
             assert not any(a.startswith("Slimwise") for a in config["architectures"]), name
             key, before, after = GROWN[family]
             assert getattr(student.model.config, key) == before  # the export grew a copy's config, not the student's

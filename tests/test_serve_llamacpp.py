@@ -15,7 +15,6 @@ llama.cpp is built by `make venv`; these tests do not skip.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -102,7 +102,6 @@ class HandoffStats:
     state_bytes: int = 0
     transfer_s: float = 0.0
     waves: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 class EngineHandoff:

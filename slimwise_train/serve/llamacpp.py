@@ -96,7 +96,33 @@ def _quiet_logs(L) -> None:
     L.llama_log_set(callback, ctypes.c_void_p(0))
 
 
-class GGUFModel:
+class _Owned:
+    """A llama.cpp object this process owns: freed once, by `close()`, on leaving a `with` block, or when collected."""
+
+    handle = None
+
+    def _free(self) -> None:  # override: the llama.cpp call that frees `self.handle`
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.handle:
+            self._free()
+            self.handle = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+
+class GGUFModel(_Owned):
     """A GGUF file loaded read-only (weights mmapped): vocabulary, metadata, and contexts made from it."""
 
     def __init__(self, path: str | os.PathLike, vocab_only: bool = False):
@@ -151,16 +177,8 @@ class GGUFModel:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(self._L.llama_vocab_is_eog(self.vocab, token))
 
-    def close(self) -> None:
-        if self.handle:
-            self._L.llama_model_free(self.handle)
-            self.handle = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self) -> None:
+        self._L.llama_model_free(self.handle)
 
 
 @dataclass
@@ -174,7 +192,7 @@ class ContextSettings:
     threads: int = 1
 
 
-class Context:
+class Context(_Owned):
     """A llama.cpp context over `model`: batched decode calls, logits rows, per-sequence state in and out."""
 
     def __init__(self, model: GGUFModel, settings: ContextSettings):
@@ -260,26 +278,12 @@ class Context:
             raise ValueError(f"llama.cpp refused the sequence state ({read} of {len(state)} bytes read): the two "
                              "models' caches do not have the same shape or KV type")
 
-    def close(self) -> None:
-        if self.handle:
-            self._L.llama_batch_free(self._batch)
-            self._L.llama_free(self.handle)
-            self.handle = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self) -> None:
+        self._L.llama_batch_free(self._batch)
+        self._L.llama_free(self.handle)
 
 
-class Sampler:
+class Sampler(_Owned):
     """llama.cpp's own sampler chain for one request: top-k, top-p, temperature, then a draw seeded per request."""
 
     def __init__(self, temperature: float, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
@@ -297,13 +301,5 @@ class Sampler:
         token = self._L.llama_sampler_sample(self.handle, context.handle, context.logits_row(seq))
         return int(token)
 
-    def close(self) -> None:
-        if self.handle:
-            self._L.llama_sampler_free(self.handle)
-            self.handle = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self) -> None:
+        self._L.llama_sampler_free(self.handle)
