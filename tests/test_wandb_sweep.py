@@ -104,7 +104,9 @@ def test_a_multirun_is_one_wandb_group_with_named_runs_and_sweep_summaries(tmp_p
         for key in TRAIN_SUMMARY_KEYS:
             assert summary[key] == local[key], key
         assert abs(summary["eval/loss"] - (0.1 * summary["eval/ce"] + 0.9 * summary["eval/kl"])) < 1e-9
-        assert 0 < summary["trainable_share"] < 0.1 and summary["tokens_seen"] > 0
+        # the tiny Qwen3-MoE's default student trains rank-8 LoRA on its kept experts: ~21% of this tiny model
+        # (test_trainer checks the share equals the student's own counts exactly)
+        assert 0 < summary["trainable_share"] < 0.25 and summary["tokens_seen"] > 0
         assert summary["step_seconds_mean"] > 0 and summary["steps"] == 2
     assert runs["0.25"]["id"] != runs["0.5"]["id"]
 
