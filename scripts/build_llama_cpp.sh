@@ -52,7 +52,7 @@ if [ ! -f "$BUILD/.built" ]; then
         "$PY" -m pip install --quiet cmake ninja
         PATH="$(dirname "$PY"):$PATH"
     fi
-    echo "llama.cpp: building libllama + llama-server with $JOBS jobs into $BUILD (about 15-20 min on 2 cores, once per CPU kind; log: $HOME_DIR/build.log)"
+    echo "llama.cpp: building libllama + llama-server with $JOBS jobs into $BUILD (about 5-10 min on 2 cores, once per CPU kind; log: $HOME_DIR/build.log)"
     start=$(date +%s)
     generator=()
     command -v ninja >/dev/null && generator=(-G Ninja)
