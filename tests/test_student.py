@@ -273,6 +273,9 @@ assert not any(m.startswith("slimwise_train") for m in sys.modules), "the export
 """
 
 
+REMOTE_CODE_TOL = 1e-5
+
+
 def test_every_family_export_loads_with_trust_remote_code_and_no_project_import(tmp_path):
     """The export with a new shared expert carries its own modeling file and auto_map: a process that never
     imports slimwise_train loads it with `trust_remote_code=True` and reproduces the registered class's logits;
@@ -301,7 +304,11 @@ def test_every_family_export_loads_with_trust_remote_code_and_no_project_import(
         remote = torch.load(tmp_path / name / "remote.pt")
         assert remote["class"].startswith("Slimwise"), name
         assert "trust_remote_code" in remote["refused"], (name, remote["refused"][:300])
-        assert torch.equal(remote["logits"], expected[name]), name
+        # Two implementations (the registered class here, modeling_slimwise.py there), two processes: equal here to
+        # the bit, but GPT-OSS differed by 3.9e-7 on another machine of this kind (issue 24, item 17). A stated
+        # tolerance, as every other cross-process comparison of exports uses (test_native_slot's EXPORT_TOL).
+        diff = (remote["logits"] - expected[name]).abs().max().item()
+        assert diff <= REMOTE_CODE_TOL, (name, diff)
 
 
 def test_in_place_export_equals_the_copying_one(tmp_path):
