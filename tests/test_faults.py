@@ -208,3 +208,29 @@ def test_scoring_shows_a_progress_bar(tmp_path, capsys):
                                           "progress=true", "data.num_samples=48", "data.batch_size=16"])
     run_prune(cfg)
     assert "scoring experts" in capsys.readouterr().err
+
+
+def test_every_output_folder_honours_the_umask(tmp_path):
+    """Issue 24 item 14: safetensors writes 0600 whatever the umask. A checkpoint, an export and a LoRA adapter folder
+    written under umask 022 are 0644 / 0755 throughout; under 027, 0640 / 0750."""
+    import stat
+
+    from slimwise_train.distill.export import export_student
+    from slimwise_train.distill.lora import export_adapter
+    from slimwise_train.distill.student import DistillModel, StudentSpec
+    from slimwise_train.testing.tiny import tiny_model
+    from test_student import _keep
+
+    for umask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o027, 0o640, 0o750)):
+        previous = os.umask(umask)
+        try:
+            model = tiny_model("qwen3_moe")
+            student = DistillModel(model, _keep(model), StudentSpec())
+            root = tmp_path / oct(umask)
+            export_student(student, root / "export")
+            export_adapter(student, root / "adapter")
+        finally:
+            os.umask(previous)
+        for path in root.rglob("*"):
+            mode = stat.S_IMODE(path.stat().st_mode)
+            assert mode == (dir_mode if path.is_dir() else file_mode), (str(path), oct(mode))

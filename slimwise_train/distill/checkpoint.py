@@ -32,6 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.atomic import honour_umask
 
 MARKER = "complete"
 CHECKSUMS = "checksums.json"
@@ -189,6 +190,7 @@ def save_checkpoint(root: Path, step: int, engine, trainer_state: dict, keep: in
         torch.save(rng_states, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
         write_checksums(tmp)
+        honour_umask(tmp)  # safetensors writes 0600 whatever the umask
         _fsync_tree(tmp)
         if before_rename is not None:  # test hook: die with a finished but unpublished folder
             before_rename(tmp)

@@ -45,6 +45,19 @@ def write_json_atomic(path: str | os.PathLike, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def honour_umask(root: Path) -> None:
+    """Give every file and folder under `root` the mode a plain `open`/`mkdir` would: some writers (safetensors'
+    save_file, mkstemp) create 0600 files whatever the umask, and a shared output folder must stay readable."""
+    umask = current_umask()
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o777 & ~umask)
+        for name in files:
+            full = os.path.join(folder, name)
+            if not os.path.islink(full):
+                os.chmod(full, 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling folder; it replaces `path` only if the block succeeds.
@@ -60,6 +73,7 @@ def atomic_dir(path: str | os.PathLike, overwrite: bool = False) -> Iterator[Pat
     tmp.chmod(0o777 & ~current_umask())  # mkdtemp makes 0700; the result should look like any folder the user makes
     try:
         yield tmp
+        honour_umask(tmp)
         if path.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
             os.replace(path, old / "x")
