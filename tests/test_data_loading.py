@@ -76,3 +76,20 @@ def test_missing_and_malformed_sources(tmp_path):
     bad.write_text("{not json\n")
     with pytest.raises(ValueError, match="cannot read it as json"):
         load_pairs(_cfg(source=str(bad)))
+
+
+def test_rows_that_are_not_text_are_one_line_errors_not_trained_on():
+    """Issue 24 items 2 and 9: str() trained on "None" and on digits; a string of messages raised AttributeError."""
+    import pytest
+
+    from slimwise_train.data.loading import row_to_pair
+
+    for row, message in (({"text": None}, "'text' is NoneType"), ({"text": 12345}, "'text' is int"),
+                         ({"prompt": None, "answer": None}, "'prompt' is NoneType"),
+                         ({"prompt": "q", "answer": ["a"]}, "'answer' is list"),
+                         ({"messages": "x"}, "messages are str"),
+                         ({"messages": [{"role": "user", "content": None}]}, "content is NoneType")):
+        with pytest.raises(ValueError, match=message) as error:
+            row_to_pair(row)
+        assert "\n" not in str(error.value)
+    assert row_to_pair({"text": "fine"}).answer == "fine"

@@ -106,11 +106,26 @@ def _load_rows(source: str, split: str, subset: str | None = None, data_files=No
     return load_dataset(source, subset, split=split, data_files=data_files)
 
 
+def _string(row: dict, key: str) -> str:
+    """row[key] as text; a null, number, list or mapping is an error: str() would train on "None" or on digits."""
+    value = row[key]
+    if not isinstance(value, str):
+        raise ValueError(f"a data row's {key!r} is {type(value).__name__} {str(value)[:40]!r}, not text: fix or drop "
+                         "such rows (or point data.text_field at a text column)")
+    return value
+
+
 def _messages_to_pair(messages, family="") -> TextPair | None:
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f"a data row's messages are {type(messages).__name__} {str(messages)[:40]!r}: expected a list "
+                         'of {"role": ..., "content": ...} turns')
     turns = []
     for m in messages:
         role = _ROLE.get(m.get("role", m.get("from", "")), "user")
         content = m.get("content", m.get("value", ""))
+        if not isinstance(content, str):
+            raise ValueError(f"a data row's message content is {type(content).__name__} {str(content)[:40]!r}, not "
+                             "text: fix or drop such rows")
         turns.append((role, content))
     last = max((i for i, (role, _) in enumerate(turns) if role == "assistant"), default=None)
     if last is None:
@@ -135,16 +150,16 @@ def row_to_pair(row: dict, text_field: str | None = None, family: str = "") -> T
 
 def _row_to_pair(row: dict, text_field: str | None = None, family: str = "") -> TextPair | None:
     if text_field:
-        return TextPair("", str(row[text_field]), family)
+        return TextPair("", _string(row, text_field), family)
     for key in ("messages", "conversations"):
         if key in row and row[key]:
             return _messages_to_pair(row[key], family)
     if "prompt" in row:
         for key in ("answer", "response", "completion", "output"):
             if key in row:
-                return TextPair(str(row["prompt"]), str(row[key]), row.get("family", family) or family)
+                return TextPair(_string(row, "prompt"), _string(row, key), row.get("family", family) or family)
     if "text" in row:
-        return TextPair("", str(row["text"]), family)
+        return TextPair("", _string(row, "text"), family)
     raise ValueError(
         f"cannot read a row with columns {sorted(row)}; expected messages/conversations, prompt+answer, or text "
         "(or set data.text_field)"
