@@ -496,3 +496,16 @@ def test_bench_lm_eval_says_how_to_get_its_inputs(tmp_path):
 
     with pytest.raises(SystemExit, match="run `make demo` first"):
         main(["lm_eval", "--keep-set", str(tmp_path / "missing.json"), "--output-dir", str(tmp_path)])
+
+
+def test_the_stock_lm_eval_models_stay_available_beside_slimwise():
+    """Issue 24 item 16: lm-eval 0.4.13 imports its own models only while its registry is empty, so registering
+    `slimwise` first hid `hf` from `python -m slimwise_train.lm_eval --model hf` (the stock comparison)."""
+    import subprocess
+    import sys
+
+    code = ("import slimwise_train.lm_eval.model\nfrom lm_eval.api.registry import get_model\n"
+            "print(get_model('hf').__name__, get_model('slimwise').__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["HFLM", "SlimwiseLM"]

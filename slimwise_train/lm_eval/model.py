@@ -34,6 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Sequence
 
+import lm_eval.models  # noqa: F401  before ours: lm-eval imports its stock models only into an empty registry
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import TemplateLM
