@@ -172,12 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             os.execv(command[0], command)
         else:
             from slimwise_train.serve.llamacpp import GGUFModel
-            from slimwise_train.serve.server import DisaggregatedClient, _call
+            from slimwise_train.serve.server import DisaggregatedClient
 
             rows = _read_prompts(args.prompts)
             client = DisaggregatedClient(args.prefill_url, args.decode_url, args.slot_dir, args.prefill_gguf,
                                          args.decode_gguf, wait_s=args.wait)
-            vocab_file = args.tokenizer_gguf or args.prefill_gguf or _call(args.prefill_url + "/props")["model_path"]
+            vocab_file = args.tokenizer_gguf or client.prefill_gguf
             vocab = GGUFModel(vocab_file, vocab_only=True)
             requests = _requests(args, rows, vocab.tokenize)
             start = time.perf_counter()

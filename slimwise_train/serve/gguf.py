@@ -95,13 +95,8 @@ def to_byte_level(tokenizer_json: dict) -> dict:
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     original = tokenizer_json.get("pre_tokenizer")
     pre = {"type": "Sequence", "pretokenizers": ([original] if original else []) + [byte_level]}
-    unk = model.get("unk_token")
-    return {
-        **tokenizer_json,
-        "pre_tokenizer": pre,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
-        "model": {**model, "vocab": vocab, "merges": merges, "unk_token": unk},
-    }
+    return {**tokenizer_json, "pre_tokenizer": pre, "decoder": byte_level,
+            "model": {**model, "vocab": vocab, "merges": merges}}
 
 
 def project_check_texts(n_per_family: int = 100) -> list[str]:
@@ -214,12 +209,9 @@ def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLik
 
     from slimwise_train.serve.llamacpp import GGUFModel
 
-    model = GGUFModel(gguf_file, vocab_only=True)
-    try:
-        hf = AutoTokenizer.from_pretrained(hf_folder)
+    hf = AutoTokenizer.from_pretrained(hf_folder)
+    with GGUFModel(gguf_file, vocab_only=True) as model:
         equal = sum(model.tokenize(t) == ids for t, ids in zip(texts, _encode_all(hf, texts)))
-    finally:
-        model.close()
     return equal, len(texts)
 
 

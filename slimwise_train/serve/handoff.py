@@ -130,10 +130,9 @@ class EngineHandoff:
         self.stats = HandoffStats()
 
     def close(self) -> None:
-        for ctx in {id(self.prefill_ctx): self.prefill_ctx, id(self.decode_ctx): self.decode_ctx}.values():
-            ctx.close()
-        for model in {id(self.prefill_model): self.prefill_model, id(self.decode_model): self.decode_model}.values():
-            model.close()
+        # contexts before their models; a context or model used for both phases is closed once (close is idempotent)
+        for owned in (self.decode_ctx, self.prefill_ctx, self.decode_model, self.prefill_model):
+            owned.close()
 
     def __enter__(self):
         return self
@@ -184,9 +183,8 @@ class EngineHandoff:
                     self.decode_ctx.set_state(seq, state)
                 stats.transfer_s += time.perf_counter() - t0
             tokens = [[t] for t in first]
-            end = [None] * len(requests)
-            for seq, req in enumerate(requests):
-                end[seq] = self._ended(tokens[seq], req)
+            texts = [bytearray() for _ in requests]  # each request's output bytes so far, kept only for stop strings
+            end = [self._ended(tokens[seq], req, texts[seq]) for seq, req in enumerate(requests)]
             t0 = time.perf_counter()
             while True:
                 active = [seq for seq in range(len(requests)) if end[seq] is None]
@@ -197,7 +195,7 @@ class EngineHandoff:
                 stats.decode_tokens += len(active)
                 for seq in active:
                     tokens[seq].append(self._pick(self.decode_ctx, seq, samplers[seq]))
-                    end[seq] = self._ended(tokens[seq], requests[seq])
+                    end[seq] = self._ended(tokens[seq], requests[seq], texts[seq])
             stats.decode_s += time.perf_counter() - t0
         finally:
             for sampler in samplers:
@@ -206,14 +204,19 @@ class EngineHandoff:
         return [Completion(tokens=toks, text=self.decode_model.detokenize([t for t in toks if not self.decode_model.is_end_of_generation(t)]),
                            end=why, first_token=toks[0]) for toks, why in zip(tokens, end)]
 
-    def _ended(self, tokens: list[int], req: Request) -> str | None:
-        """eos | stop | budget once the request is done, else None (the order handoff_generate checks them in)."""
+    def _ended(self, tokens: list[int], req: Request, text: bytearray) -> str | None:
+        """eos | stop | budget once the request is done, else None (the order handoff_generate checks them in).
+        `text` holds the output's bytes before this token and gets its piece: a stop string that appears now ends
+        within that piece, so only the tail is searched (not the whole output again at every step)."""
         if self.decode_model.is_end_of_generation(tokens[-1]):
             return "eos"
         if req.stop:
-            text = self.decode_model.detokenize(tokens)
-            if any(s in text for s in req.stop):
-                return "stop"
+            piece = self.decode_model.piece(tokens[-1])
+            text += piece
+            for stop in req.stop:
+                needle = stop.encode("utf-8")
+                if needle in text[max(0, len(text) - len(piece) - len(needle)):]:
+                    return "stop"
         if len(tokens) >= req.max_new_tokens:
             return "budget"
         return None

@@ -83,21 +83,17 @@ class LlamaServer:
         self.url = f"http://127.0.0.1:{spec.port}"
         self._log = open(log_file, "w")
         self.proc = subprocess.Popen(spec.command(), stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                self._log.close()
+        try:
+            wait_healthy(self.url, startup_timeout, process=self.proc)
+        except ServerError:
+            exited = self.proc.poll() is not None  # on its own, before the stop below
+            self.stop()
+            if exited:
                 tail = Path(log_file).read_text(errors="replace").strip().splitlines()[-5:]
-                raise ServerError(f"llama-server for {spec.gguf} exited ({self.proc.returncode}): " + " | ".join(tail))
-            try:
-                if _call(self.url + "/health", timeout=2).get("status") == "ok":
-                    return
-            except ServerError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise ServerError(f"llama-server for {spec.gguf} not healthy after {startup_timeout:.0f} s (log: {log_file})")
-            time.sleep(0.2)
+                raise ServerError(f"llama-server for {spec.gguf} exited ({self.proc.returncode}): "
+                                  + " | ".join(tail)) from None
+            raise ServerError(f"llama-server for {spec.gguf} not healthy after {startup_timeout:.0f} s "
+                              f"(log: {log_file})") from None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -117,24 +113,22 @@ class LlamaServer:
         self.stop()
 
 
-def _server_metadata(url: str) -> tuple[str, dict[str, str]]:
-    from slimwise_train.serve.llamacpp import GGUFModel
-
+def served_gguf(url: str) -> str:
+    """The GGUF file a llama-server serves (`/props` model_path), if this process can read it."""
     path = _call(url + "/props").get("model_path")
     if not path or not Path(path).is_file():
         raise CacheMismatch(f"{url}/props names model_path {path!r}, which this client cannot read: run the client "
                             "where both GGUF files are visible (or pass the files with --prefill-gguf/--decode-gguf)")
-    model = GGUFModel(path, vocab_only=True)
-    try:
-        return path, model.metadata()
-    finally:
-        model.close()
+    return path
 
 
-def wait_healthy(url: str, timeout: float) -> None:
-    """Wait until a llama-server answers /health with ok (it loads its model first), at most `timeout` seconds."""
+def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Wait until a llama-server answers /health with ok (it loads its model first), at most `timeout` seconds;
+    with `process`, stop waiting as soon as it has exited."""
     deadline = time.monotonic() + timeout
     while True:
+        if process is not None and process.poll() is not None:
+            raise ServerError(f"the llama-server behind {url} exited ({process.returncode})")
         try:
             if _call(url + "/health", timeout=2).get("status") == "ok":
                 return
@@ -157,14 +151,12 @@ class DisaggregatedClient:
         self.slot_dir = Path(slot_dir)
         from slimwise_train.serve.llamacpp import GGUFModel
 
+        self.prefill_gguf = prefill_gguf or served_gguf(self.prefill_url)
+        self.decode_gguf = decode_gguf or served_gguf(self.decode_url)
         metas = []
-        for url, path in ((self.prefill_url, prefill_gguf), (self.decode_url, decode_gguf)):
-            if path is None:
-                metas.append(_server_metadata(url)[1])
-            else:
-                model = GGUFModel(path, vocab_only=True)
+        for path in (self.prefill_gguf, self.decode_gguf):
+            with GGUFModel(path, vocab_only=True) as model:
                 metas.append(model.metadata())
-                model.close()
         check_cache_compatible(metas[0], metas[1], self.prefill_url, self.decode_url)
         self.prompt_tokens_evaluated_on_decode: list[int] = []
 
