@@ -112,9 +112,9 @@ def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: P
     """Step 5: the demo's decoders in llama.cpp on the full model's prefill state, against the eval app's outputs."""
     from transformers import AutoTokenizer
 
-    from slimwise_train.bench.engine import _time_model
+    from slimwise_train.bench.engine import time_gguf_variants
     from slimwise_train.data import synthetic
-    from slimwise_train.eval.generation import build_problems, family_budgets
+    from slimwise_train.eval.generation import build_problems
     from slimwise_train.serve.gguf import convert
     from slimwise_train.serve.handoff import EngineHandoff, Request
 
@@ -127,7 +127,7 @@ def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: P
                                   ("student", train_dir / "export"))}
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
     problems = build_problems(tokenizer, list(synthetic.FAMILIES), EVAL_N)
-    budgets = family_budgets(problems)  # the eval app's defaults: 2x the longest answer per family
+    budgets = json.loads((eval_dir / "results.json").read_text())["budget"]  # the eval app's, per family
     chosen = [p for family in synthetic.FAMILIES for p in [q for q in problems if q.family == family][:4]]
     recorded = {}
     for line in (eval_dir / "generations.jsonl").read_text().splitlines():
@@ -143,8 +143,8 @@ def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: P
         equal = sum(recorded.get((mode, p.prompt)) == (t, c.length) for p, c, t in zip(chosen, outs, texts))
         correct = sum(synthetic.check(p.family, p.prompt, t, ended=c.end == "eos") for p, c, t in zip(chosen, outs, texts))
         lines.append(f"| {decoder} ({mode}) | {len(chosen)} | {equal}/{len(chosen)} | {correct}/{len(chosen)} |")
-    rows = _time_model({"full": files["teacher"], "pruned_" + RATIO: files["pruned"]}, [BATCH], 64, 16, 3,
-                       len(os.sched_getaffinity(0)), "f16", tokenizer.vocab_size, print)
+    rows = time_gguf_variants({"full": files["teacher"], "pruned_" + RATIO: files["pruned"]}, [BATCH], 64, 16, 3,
+                              len(os.sched_getaffinity(0)), "f16", tokenizer.vocab_size, print)
     speed = rows[0]["decode_speedup"][RATIO]
     timings["serve"] = round(time.time() - start, 1)
     return lines + ["", f"llama.cpp decode, {BATCH} sequences, {len(os.sched_getaffinity(0))} threads, f32 weights, "

@@ -56,8 +56,10 @@ def _variants(name: str, model, tokenizer, ratios, outtype: str, root: Path, log
     return out
 
 
-def _time_model(files: dict[str, Path], batches, prompt_len: int, steps: int, repeats: int, threads: int,
-                kv_type: str, vocab: int, log) -> dict:
+def time_gguf_variants(files: dict[str, Path], batches, prompt_len: int, steps: int, repeats: int, threads: int,
+                       kv_type: str, vocab: int, log) -> list[dict]:
+    """Decode and prefill throughput of each GGUF ({variant: file}, "full" among them) per batch size, variants in
+    turn within a round, speed-ups against "full" paired per round: one row per batch size."""
     from slimwise_train.serve.llamacpp import Context, ContextSettings, GGUFModel
 
     models = {v: GGUFModel(f) for v, f in files.items()}
@@ -117,6 +119,8 @@ def _run_engine(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from slimwise_train.prune.criteria import num_to_keep
+
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
@@ -139,8 +143,8 @@ def _run_engine(args) -> dict:
     with tempfile.TemporaryDirectory(prefix="slimwise-bench-engine-", dir=args.work_dir) as tmp:
         for name, model in models.items():
             files = _variants(name, model, tokenizer, ratios, args.outtype, Path(tmp), log)
-            rows = _time_model(files, batches, args.prompt, args.steps, args.repeats, threads, args.kv_type,
-                               model.config.vocab_size, log)
+            rows = time_gguf_variants(files, batches, args.prompt, args.steps, args.repeats, threads, args.kv_type,
+                                      model.config.vocab_size, log)
             shape_full = decode_shape(model, GGUF_BYTES[args.outtype], kv_bytes)
             context = args.prompt + args.steps / 2
             for row in rows:
@@ -151,8 +155,7 @@ def _run_engine(args) -> dict:
                 step_s = {v: n / tok_s for v, tok_s in row["decode_tok_s"].items()}
                 row["roofline_fraction"] = {"full": round(full_bound / step_s["full"], 3)}
                 for r in ratios:
-                    kept = shape_full.experts - int(shape_full.experts * r)
-                    pruned = DecodeShape(**{**shape_full.__dict__, "experts": kept})
+                    pruned = DecodeShape(**{**shape_full.__dict__, "experts": num_to_keep(shape_full.experts, r)})
                     pruned_bound = step_bound_s(pruned, n, context, rates)
                     bound = full_bound / pruned_bound
                     row["roofline_fraction"][f"pruned_{r}"] = round(pruned_bound / step_s[f"pruned_{r}"], 3)
@@ -161,7 +164,6 @@ def _run_engine(args) -> dict:
             results[name] = {"model": f"qwen3_moe L{model.config.num_hidden_layers} H{model.config.hidden_size} "
                                       f"E{shape_full.experts} top{shape_full.top_k} ({args.outtype})",
                              "rows": rows}
-            del model
     at_64 = results.get("bench", {}).get("rows", [])
     at_64 = next((row for row in at_64 if row["sequences"] == 64), None)
     targets = {"decode_speedup_0.5_at_64_min": 1.15, "efficiency_0.5_at_64_min": 0.7}
