@@ -54,6 +54,18 @@ def test_the_families_with_a_slot():
     assert set(NO_SLOT_FAMILIES) == {"qwen3_moe", "mixtral", "olmoe", "gpt_oss"}
 
 
+def run_fresh(root, names) -> dict:
+    """FRESH in a process that never imports the project, over the exports `<root>/<name>/export`: {name: its class
+    and logits on the teacher's cache}, after checking the process imported nothing of the project."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-c", FRESH, str(root), str(SPLIT), *names], cwd=root,
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fresh = torch.load(root / "fresh.pt")
+    assert fresh["project_modules"] == []  # the export needed nothing from the project
+    return fresh
+
+
 def export_perturbed_stock(family: str, spec, ids: torch.Tensor, folder):
     """A student of `family` with every trainable tensor perturbed, its logits on the teacher's cache, and its export
     to `folder`, checked to be a stock-class folder (no auto_map, no modeling file). Returns (student, logits, folder,
@@ -169,12 +181,7 @@ def test_native_export_is_the_stock_class_and_decodes_on_the_teachers_cache_in_a
             assert config[key] == after, name
             info = json.loads((folder / "slimwise_export.json").read_text())
             assert info["architecture"] == "stock" and info["shared_expert"] == "native", name
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path), str(SPLIT), *expected], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    fresh = torch.load(tmp_path / "fresh.pt")
-    assert fresh["project_modules"] == []  # the export needed nothing from the project
+    fresh = run_fresh(tmp_path, expected)
     for name, logits in expected.items():
         assert not fresh[name]["class"].startswith("Slimwise"), name
         diff = (fresh[name]["logits"] - logits).abs().max().item()

@@ -14,9 +14,6 @@ tensor perturbed: 1.4e-6 .. 2.7e-6 over the eight exports (four families, expert
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from typing import get_args
 
 import pytest
@@ -30,7 +27,7 @@ from slimwise_train.distill.lora import TRAINABLE_PRESETS
 from slimwise_train.distill.student import SHARED_EXPERT, SLOT_COLUMNS, DistillModel, StudentSpec
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_model
 from test_lora import ATTENTION
-from test_native_slot import EXPORT_TOL, FRESH, NO_SLOT_FAMILIES, SLOT_FAMILIES, SPLIT, export_perturbed_stock
+from test_native_slot import EXPORT_TOL, NO_SLOT_FAMILIES, SLOT_FAMILIES, export_perturbed_stock, run_fresh
 from test_student import _ids, _keep, _perturb
 
 # What the no-module student trains in each exported variant: the default, and the other LoRA kind.
@@ -87,12 +84,7 @@ def test_no_module_export_is_the_stock_class_and_decodes_on_the_teachers_cache_i
             info = json.loads((folder / "slimwise_export.json").read_text())
             assert info["architecture"] == "stock" and info["shared_expert"] is None, name
             assert info["trainable"] == f"always_on+lora_{'experts' if variant == 'default' else 'attention'}", name
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", FRESH, str(tmp_path), str(SPLIT), *expected], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    fresh = torch.load(tmp_path / "fresh.pt")
-    assert fresh["project_modules"] == []  # the export needed nothing from the project
+    fresh = run_fresh(tmp_path, expected)
     for name, logits in expected.items():
         family = name.split("/")[0]
         assert fresh[name]["class"] == type(tiny_model(family)).__name__, name
