@@ -395,7 +395,7 @@ def test_roofline_expected_touched_matches_a_simulation_and_bounds_are_ratios_of
     shape = DecodeShape(layers=2, experts=128, top_k=8, expert_params=3 * 1024 * 768, other_params=10_000_000,
                         weight_bytes=2, kv_bytes_per_token=2048, attention_flops_per_ctx_token=4 * 2 * 16 * 64)
     rates = MachineRates(bandwidth_gbs=30.0, matmul_gflops=200.0, threads=2)
-    half = DecodeShape(**{**shape.__dict__, "experts": 64})
+    half = shape.with_experts(64)
     # a bytes-bound step: the bound follows the bytes; with infinite bandwidth only FLOPs remain, equal for both
     assert step_bound_s(shape, 64, 64, rates) > step_bound_s(half, 64, 64, rates)
     fast = MachineRates(bandwidth_gbs=1e9, matmul_gflops=200.0, threads=2)

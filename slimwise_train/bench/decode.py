@@ -10,7 +10,7 @@ import sys
 import torch
 
 from slimwise_train.bench.common import _paired_ratio, bench_model, interleaved_times
-from slimwise_train.bench.roofline import DecodeShape, decode_shape, measure_machine, step_bound_s
+from slimwise_train.bench.roofline import decode_shape, measure_machine, step_bound_s
 
 
 def _decode_cache(model, kind: str, max_len: int):
@@ -135,8 +135,8 @@ def run_decode(args) -> dict:
         # ratio of two bounds is exceeded when the full step is further from its bound than the pruned one)
         row["roofline_fraction"] = {}
         if rates is not None:
-            row["roofline_fraction"]["full"] = round(
-                step_bound_s(shape, batch, args.prompt, rates, touched=experts_full) / med["full"], 3)
+            full_bound = step_bound_s(shape, batch, args.prompt, rates, touched=experts_full)
+            row["roofline_fraction"]["full"] = round(full_bound / med["full"], 3)
         for r in ratios:
             kept = num_to_keep(args.experts, r)
             experts_pruned = statistics.mean(touched[f"pruned_{r}"]) * kept
@@ -147,12 +147,10 @@ def run_decode(args) -> dict:
             row["bytes_bound"][str(r)] = round(bound, 3)
             row["bound_efficiency"][str(r)] = round(speed / bound, 3)
             if rates is not None:
-                pruned_shape = DecodeShape(**{**shape.__dict__, "experts": kept})
-                roof = (step_bound_s(shape, batch, args.prompt, rates, touched=experts_full)
-                        / step_bound_s(pruned_shape, batch, args.prompt, rates, touched=experts_pruned))
+                pruned_bound = step_bound_s(shape.with_experts(kept), batch, args.prompt, rates, touched=experts_pruned)
+                roof = full_bound / pruned_bound
                 row["roofline_bound"][str(r)] = round(roof, 3)
-                row["roofline_fraction"][f"pruned_{r}"] = round(
-                    step_bound_s(pruned_shape, batch, args.prompt, rates, touched=experts_pruned) / med[f"pruned_{r}"], 3)
+                row["roofline_fraction"][f"pruned_{r}"] = round(pruned_bound / med[f"pruned_{r}"], 3)
                 row["roofline_efficiency"][str(r)] = round(speed / roof, 3)
         results.append(row)
         print(json.dumps({"partial": row}), file=sys.stderr, flush=True)

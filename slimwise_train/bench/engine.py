@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from slimwise_train.bench.common import bench_model
-from slimwise_train.bench.roofline import DecodeShape, decode_shape, measure_machine, step_bound_s
+from slimwise_train.bench.roofline import decode_shape, measure_machine, step_bound_s
 
 TEACHER = Path(__file__).resolve().parents[1] / "assets" / "teacher"
 GGUF_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -155,8 +155,8 @@ def _run_engine(args) -> dict:
                 step_s = {v: n / tok_s for v, tok_s in row["decode_tok_s"].items()}
                 row["roofline_fraction"] = {"full": round(full_bound / step_s["full"], 3)}
                 for r in ratios:
-                    pruned = DecodeShape(**{**shape_full.__dict__, "experts": num_to_keep(shape_full.experts, r)})
-                    pruned_bound = step_bound_s(pruned, n, context, rates)
+                    pruned_bound = step_bound_s(shape_full.with_experts(num_to_keep(shape_full.experts, r)), n, context,
+                                                rates)
                     bound = full_bound / pruned_bound
                     row["roofline_fraction"][f"pruned_{r}"] = round(pruned_bound / step_s[f"pruned_{r}"], 3)
                     row["bound"][str(r)] = round(bound, 3)

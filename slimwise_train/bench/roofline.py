@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -31,26 +31,23 @@ class MachineRates:
 
 def measure_machine(threads: int, megabytes: int = 512, gemm: int = 1024, repeats: int = 5) -> MachineRates:
     """Median of `repeats` runs of a `megabytes` copy and a gemm x gemm fp32 matmul, with `threads` threads."""
+    def median_seconds(fn) -> float:
+        fn()  # untimed: first touch of the pages, kernel selection
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         src = torch.ones(megabytes * 2**20 // 4)
         dst = torch.empty_like(src)
-        dst.copy_(src)
-        copies = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dst.copy_(src)
-            copies.append(time.perf_counter() - start)
-        bandwidth = 2 * src.numel() * 4 / statistics.median(copies) / 1e9
+        bandwidth = 2 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src)) / 1e9
         a, b = torch.randn(gemm, gemm), torch.randn(gemm, gemm)
-        a @ b
-        mms = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            mms.append(time.perf_counter() - start)
-        flops = 2 * gemm**3 / statistics.median(mms) / 1e9
+        flops = 2 * gemm**3 / median_seconds(lambda: a @ b) / 1e9
     finally:
         torch.set_num_threads(previous)
     return MachineRates(bandwidth, flops, threads)
@@ -68,6 +65,10 @@ class DecodeShape:
     weight_bytes: float
     kv_bytes_per_token: float  # all layers, K and V
     attention_flops_per_ctx_token: float  # per token of context, all layers
+
+    def with_experts(self, experts: int) -> "DecodeShape":
+        """The same model with `experts` routed experts per layer (a pruned variant)."""
+        return replace(self, experts=experts)
 
 
 def expected_touched(experts: int, top_k: int, tokens: int) -> float:
