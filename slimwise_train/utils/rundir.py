@@ -8,9 +8,12 @@ killed writers cleaned once the lock is held; and ranks that die with their laun
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,50 +56,158 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _parse_lock(text: str) -> tuple[dict | None, str]:
+    """(holder, "") for a lock naming a host and a pid, else (None, why it names no job)."""
+    if not text.strip():
+        return None, "it is empty"
+    try:
+        holder = json.loads(text)
+    except json.JSONDecodeError:
+        return None, f"it is not JSON: {text[:60]!r}"
+    if not isinstance(holder, dict):
+        return None, f"it is not a JSON object: {text[:60]!r}"
+    host, pid = holder.get("host"), holder.get("pid")
+    if isinstance(pid, str) and pid.isdigit():
+        pid = int(pid)
+    if not isinstance(host, str) or not host or isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        return None, f"it names no host and pid: {text[:60]!r}"
+    return {**holder, "pid": pid}, ""
+
+
 def _read_lock(lock: Path) -> dict | None:
     try:
-        return json.loads(lock.read_text())
-    except (OSError, json.JSONDecodeError):
+        return _parse_lock(lock.read_text())[0]
+    except (OSError, UnicodeDecodeError):
         return None
+
+
+GUARD_NAME = LOCK_NAME + ".guard"
+GUARD_TIMEOUT_S = 30.0
+
+
+@contextlib.contextmanager
+def _guarded(folder: Path) -> Iterator[bool]:
+    """Hold an exclusive flock on `folder`/.slimwise.lock.guard while checking and taking (or releasing) the lock,
+    so no two processes ever decide on the lock at once. flock works across hosts on NFS (as a POSIX lock) and is
+    released by the kernel when its holder dies. The holder deletes the guard before unlocking it (nothing is left
+    in the folder); whoever then gets the flock of an unlinked guard sees it is no longer the file at that path and
+    retries. Yields False, after a warning, where the filesystem offers no flock: then only O_EXCL protects."""
+    guard = folder / GUARD_NAME
+    deadline = time.monotonic() + GUARD_TIMEOUT_S
+    fd = None
+    while fd is None:
+        if time.monotonic() > deadline:  # held for far longer than a check takes
+            raise ValueError(f"could not take the lock of {folder}: another process has held {guard} for over "
+                             f"{GUARD_TIMEOUT_S:.0f} s (a stopped job?); stop it, or delete {guard} if none is "
+                             "running")
+        read_only = False
+        try:
+            fd = os.open(guard, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's guard, in use right now: lock it through a read-only descriptor
+            read_only = True
+            with contextlib.suppress(FileNotFoundError):
+                fd = os.open(guard, os.O_RDONLY)
+            if fd is None:
+                if not os.access(folder, os.W_OK | os.X_OK):  # not gone meanwhile: it cannot be created here
+                    raise
+                continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            same = os.path.samestat(os.fstat(fd), os.stat(guard))
+        except (BlockingIOError, FileNotFoundError):  # held; or deleted by its holder before unlocking
+            same = False
+        except OSError as exc:
+            # ESTALE: deleted by its holder on another NFS host; EBADF: NFS locks need a writable descriptor
+            if exc.errno == errno.ESTALE or (read_only and exc.errno == errno.EBADF):
+                same = False
+            else:
+                log.warning("cannot flock %s (%s): taking the lock of %s is not serialised between jobs on this "
+                            "filesystem", guard, exc.strerror or exc, folder)
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    guard.unlink()  # no flock on this filesystem: no one holds it
+                fd = -1
+                break
+        if not same:
+            os.close(fd)
+            fd = None
+            time.sleep(0.002 + 0.008 * random.random())
+    try:
+        yield fd >= 0
+    finally:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                guard.unlink()  # still holding the flock: see above
+            os.close(fd)
 
 
 def acquire_lock(folder: Path) -> Path:
     """Take `folder`'s lock or raise ValueError naming the job that holds it. A lock left by a dead process on
-    this host is taken over (with a warning); one from another host is only reported (its pid cannot be checked)."""
+    this host is taken over (with a warning), and so is one that names no job (empty or garbage); one from another
+    host is only reported (its pid cannot be checked). Every check-and-take runs under the folder's flock guard, so
+    two starters never both take a stale lock."""
+    folder = Path(folder)
     lock = folder / LOCK_NAME
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
           "argv": " ".join(sys.argv)}
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-        except FileExistsError:
-            holder = _read_lock(lock)
-            if holder is None:  # being written right now, or garbage: look again
-                time.sleep(0.2)
-                holder = _read_lock(lock) or {}
-            same_host = holder.get("host") == me["host"]
-            pid = int(holder.get("pid", -1))
-            if not same_host or (pid > 0 and _pid_alive(pid)):
-                since = f" since {holder['started']}" if "started" in holder else ""
-                where = f"pid {pid} on {holder.get('host', '?')}{since}"
-                raise ValueError(
-                    f"output folder {folder} is in use by another job ({where}); wait for it, choose another output "
-                    f"folder, or delete {lock} if that job is gone") from None
-            log.warning("taking over the stale lock of %s (pid %s, no longer running)", folder, pid)
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-            continue
-        with os.fdopen(fd, "w") as handle:
-            json.dump(me, handle)
-        return lock
+    with _guarded(folder) as serialised:
+        for _ in range(3):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            except FileExistsError:
+                pass
+            else:  # written under the guard: a reader under the guard never sees it half-written
+                try:
+                    with os.fdopen(fd, "w") as handle:
+                        json.dump(me, handle)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        lock.unlink()
+                    raise
+                return lock
+            try:
+                text = lock.read_text()
+                if not serialised and not _parse_lock(text)[0]:  # maybe being written right now: look again
+                    time.sleep(0.2)
+                    text = lock.read_text()
+            except FileNotFoundError:  # removed meanwhile (by hand, or unserialised): create it again
+                continue
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read the lock {lock} of output folder {folder} ({exc}); choose another "
+                                 f"output folder, or delete {lock} if no job uses it") from None
+            holder, why = _parse_lock(text)
+            if holder is None:
+                log.warning("the lock %s is unreadable (%s): it names no job, taking it over as stale", lock, why)
+            else:
+                pid = holder["pid"]
+                if holder["host"] != me["host"] or _pid_alive(pid):
+                    since = f" since {holder['started']}" if "started" in holder else ""
+                    raise ValueError(
+                        f"output folder {folder} is in use by another job (pid {pid} on {holder['host']}{since}); "
+                        f"wait for it, choose another output folder, or delete {lock} if that job is gone")
+                log.warning("taking over the stale lock of %s (pid %s, no longer running)", folder, pid)
+            tmp = folder / f"{LOCK_NAME}.{os.getpid()}.tmp"  # replaced in one step: the lock never goes missing
+            try:
+                with open(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o666), "w") as handle:
+                    json.dump(me, handle)
+                os.replace(tmp, lock)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+                raise
+            return lock
     raise ValueError(f"could not take the lock {lock}: another job keeps taking it; choose another output folder")
 
 
 def release_lock(lock: Path) -> None:
-    holder = _read_lock(lock)
-    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
+    lock = Path(lock)
+    if not lock.exists():
+        return
+    with _guarded(lock.parent):
+        holder = _read_lock(lock)
+        if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
 
 
 def clean_stale_temporaries(folder: Path) -> list[str]:
@@ -104,7 +215,9 @@ def clean_stale_temporaries(folder: Path) -> list[str]:
     while holding the folder's lock: no live writer of this folder exists then."""
     removed = []
     for path in folder.iterdir():
-        if path.name.startswith(".") and path.name.endswith((".tmp", ".old")) and path.name != LOCK_NAME:
+        if path.name in (LOCK_NAME, GUARD_NAME):  # the lock; the guard of a job starting right now
+            continue
+        if path.name.startswith(".") and path.name.endswith((".tmp", ".old")):
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
             else:
