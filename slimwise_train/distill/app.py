@@ -17,12 +17,11 @@ from __future__ import annotations
 import logging
 import sys
 
-import hydra
 from omegaconf import DictConfig
 
-from slimwise_train.config import CONF_DIR, register_configs
+from slimwise_train.config import register_configs
 from slimwise_train.utils import distributed as du
-from slimwise_train.utils.cli import user_errors
+from slimwise_train.utils.cli import hydra_app, user_errors
 from slimwise_train.utils.rundir import die_with_launcher
 
 log = logging.getLogger("slimwise.train")
@@ -41,7 +40,7 @@ def _quiet_other_ranks() -> None:
     root.setLevel(logging.WARNING)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="train", version_base=None)
+@hydra_app("train", "slimwise_train")
 def main(cfg: DictConfig) -> None:
     from slimwise_train.distill.trainer import NonFiniteLossError, run_train
 

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import json
 
-import hydra
 from omegaconf import DictConfig
 
 from slimwise_train.config import (
-    CONF_DIR,
     PlanAppConfig,
     check_known_keys,
     register_configs,
 )
-from slimwise_train.utils.cli import user_errors
+from slimwise_train.utils.cli import hydra_app, user_errors
 
 
 def run_plan(cfg) -> dict:
@@ -42,7 +40,7 @@ def run_plan(cfg) -> dict:
 register_configs()
 
 
-@hydra.main(config_path=CONF_DIR, config_name="plan", version_base=None)
+@hydra_app("plan", "slimwise_train.plan", set_threads=False)
 def main(cfg: DictConfig) -> None:
     with user_errors("slimwise_train.plan"):
         run_plan(cfg)

@@ -20,13 +20,12 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import CONF_DIR, PruneAppConfig, check_known_keys, register_configs
+from slimwise_train.config import PruneAppConfig, check_known_keys, register_configs
 from slimwise_train.utils import distributed as du
-from slimwise_train.utils.cli import user_errors
+from slimwise_train.utils.cli import hydra_app, user_errors
 from slimwise_train.utils.rundir import check_writable, claim_output_dir, die_with_launcher
 
 log = logging.getLogger("slimwise.prune")
@@ -113,7 +112,7 @@ def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta
 register_configs()
 
 
-@hydra.main(config_path=CONF_DIR, config_name="prune", version_base=None)
+@hydra_app("prune", "slimwise_train.prune")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.prune"):

@@ -1,13 +1,16 @@
-"""What every `python -m slimwise_train.<app>` entry point shares: one-line errors for bad input."""
+"""What every `python -m slimwise_train.<app>` entry point shares: one-line errors for bad input, checked before
+the run creates anything (`hydra_app`), and a logged thread count."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import sys
 import time
-from typing import Iterator
+from pathlib import Path
+from typing import Callable, Iterator
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
 
@@ -39,3 +42,217 @@ def user_errors(prog: str) -> Iterator[None]:
             print(line, file=sys.stderr)
         _report_to_torchrun(line)  # also from other ranks: an error only rank 1 hits still reaches the user
         raise SystemExit(2) from None
+
+
+# --------------------------------------------------------------------------- Hydra entry points
+
+# Flags after which Hydra does something other than run the job (help, config printing, completion) or reads the
+# config from elsewhere: the pre-check composes the app's own config and would check the wrong thing there.
+_NOT_A_RUN = ("-h", "--help", "--hydra-help", "--version", "-c", "--cfg", "-p", "--package", "--resolve", "-i",
+              "--info", "-sc", "--shell-completion", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+              "--config-dir", "--experimental-rerun")
+
+
+def _one_line(exc: BaseException) -> str:
+    """Hydra's and OmegaConf's composition errors as one line: the first line of each message in the cause chain,
+    the key OmegaConf names, and a group's options (without the typed `*_schema` entries)."""
+    import dataclasses
+    import difflib
+    import re
+
+    from slimwise_train import config
+
+    parts, options, key = [], [], None
+    while exc is not None:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        if lines and lines[0].strip() not in parts:
+            parts.append(lines[0].strip().rstrip("."))
+        in_options = False
+        for line in lines[1:]:
+            stripped = line.strip()
+            if stripped.startswith("Available options"):
+                in_options = True
+            elif not line.startswith("\t"):
+                in_options = False
+            if in_options and line.startswith("\t") and not stripped.endswith("_schema"):
+                options.append(stripped)
+            if stripped.startswith("full_key:") and stripped.split(":", 1)[1].strip():
+                key = stripped.split(":", 1)[1].strip()
+        exc = exc.__cause__
+    line = ": ".join(parts)
+    if key and key not in line:
+        line += f" (key {key})"
+    if options:
+        line += f"; choose one of: {', '.join(options)}"
+    unknown = re.search(r"Key '(\w+)' not in '(\w+)'", line)
+    schema = getattr(config, unknown.group(2), None) if unknown else None
+    if dataclasses.is_dataclass(schema):
+        close = difflib.get_close_matches(unknown.group(1), [f.name for f in dataclasses.fields(schema)], n=1)
+        if close:
+            line += f"; did you mean {close[0]}?"
+    return line
+
+
+def _override_variants(overrides: list[str]) -> list[list[str]]:
+    """Each sweep value checked once: the first value of every sweep, then each other value of one sweep."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    base = [o.input_line if not o.is_sweep_override() else None for o in parsed]
+    sweeps = {i: [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+              for i, o in enumerate(parsed) if o.is_sweep_override()}
+    first = [line if line is not None else sweeps[i][0] for i, line in enumerate(base)]
+    variants = [first]
+    for i, values in sweeps.items():
+        variants += [first[:i] + [value] + first[i + 1:] for value in values[1:]]
+    return variants
+
+
+def _compose_or_exit(config_name: str, prog: str, overrides: list[str]):
+    """Compose the app's config the way @hydra.main will; a bad override is one line and exit 2, before Hydra
+    creates the output folder. Returns the config of the first variant (with its hydra node), or None where the
+    pre-check cannot stand in for Hydra (help and config flags)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from slimwise_train.config import CONF_DIR
+
+    try:
+        variants = _override_variants(overrides)
+        first = None
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            for variant in variants:
+                cfg = compose(config_name, overrides=variant, return_hydra_config=True)
+                first = first if first is not None else cfg
+        return first
+    except (HydraException, OmegaConfBaseException) as exc:
+        line = f"{prog}: error: {_one_line(exc)}"
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(line, file=sys.stderr)
+        _report_to_torchrun(line)
+        raise SystemExit(2) from None
+
+
+class _RunFolder:
+    """What this run is about to create in its Hydra run folder (the folder and missing parents, the log), so a run
+    refused for bad input, or stopped by Ctrl-C before writing anything else, can leave the disk as it found it."""
+
+    def __init__(self, folder: Path, log_file: Path):
+        self.folder, self.log_file = folder, log_file
+        self.created = []  # deepest first
+        for path in (folder, *folder.parents):
+            if path.exists():
+                break
+            self.created.append(path)
+        self.log_size = log_file.stat().st_size if log_file.exists() else None
+
+    def undo(self, only_if_untouched: bool = False) -> None:
+        if only_if_untouched and self.folder.is_dir():
+            others = [p for p in self.folder.iterdir() if p != self.log_file and p.name != ".slimwise.lock"]
+            if others:
+                return
+        with contextlib.suppress(OSError):
+            if self.log_size is None:
+                self.log_file.unlink()
+            else:
+                os.truncate(self.log_file, self.log_size)
+        for path in self.created:
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only ever empty folders: anything another writer put there stays
+
+
+def threads_for_this_process() -> tuple[int, str]:
+    """(threads, why): OMP_NUM_THREADS when set, else the physical cores this process may run on (its CPU
+    affinity, hyper-threads counted once, capped by a cgroup CPU quota)."""
+    from_env = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if from_env.isdigit() and int(from_env) > 0:
+        return int(from_env), "OMP_NUM_THREADS"
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        try:
+            topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    count = max(1, len(cores))
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            count = max(1, min(count, int(int(quota) // int(period))))
+    return count, "physical cores available to this process; set OMP_NUM_THREADS to change"
+
+
+def hydra_app(config_name: str, prog: str, set_threads: bool = True) -> Callable[[Callable], Callable[[], None]]:
+    """`@hydra.main` for the slimwise apps, with what each of them needs before and around the job:
+
+    - the overrides are composed first, so a bad one (an unknown preset, `world_size=abc`) is one line and exit 2
+      instead of Hydra's multi-line block, and an output folder that cannot be created is refused by name;
+    - a run refused for bad input (exit 2) leaves no folder or log behind; one stopped with Ctrl-C before it
+      wrote anything but its log neither;
+    - torch's thread count is set and logged (`threads_for_this_process`), unless set_threads=False (the planner
+      computes nothing and its `json_only` output must stay one line)."""
+    import functools
+
+    import hydra
+
+    from slimwise_train.config import CONF_DIR
+
+    def decorate(task: Callable) -> Callable[[], None]:
+        @functools.wraps(task)
+        def job(cfg) -> None:
+            if not set_threads:
+                return task(cfg)
+            import torch
+
+            from omegaconf import OmegaConf
+
+            threads, why = threads_for_this_process()
+            configured = OmegaConf.select(cfg, "cpu_threads", default=None)  # the train app's own key wins on CPU
+            device = str(OmegaConf.select(cfg, "device", default="cpu"))
+            on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+            if configured and on_cpu:
+                threads, why = int(configured), "cpu_threads in the config"
+            torch.set_num_threads(threads)
+            logging.getLogger("slimwise").info("torch threads: %d (%s)", threads, why)
+            return task(cfg)
+
+        run_hydra = hydra.main(config_path=CONF_DIR, config_name=config_name, version_base=None)(job)
+
+        @functools.wraps(task)
+        def main() -> None:
+            args = sys.argv[1:]
+            if any(arg.split("=", 1)[0] in _NOT_A_RUN for arg in args):
+                return run_hydra()
+            multirun = any(arg in ("-m", "--multirun") for arg in args)
+            cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")])
+            if multirun or cfg is None:
+                return run_hydra()
+            from omegaconf import OmegaConf
+
+            from slimwise_train.utils.rundir import check_writable
+
+            try:
+                folder = Path(OmegaConf.select(cfg, "hydra.run.dir"))
+                job_name = OmegaConf.select(cfg, "hydra.job.name")
+                with user_errors(prog):
+                    check_writable(folder, what="output folder (hydra.run.dir)", create=False)
+            finally:
+                from hydra.core.global_hydra import GlobalHydra
+
+                GlobalHydra.instance().clear()
+            run_folder = _RunFolder(folder, folder / f"{job_name}.log")
+            try:
+                run_hydra()
+            except SystemExit as exc:
+                if exc.code == 2:
+                    run_folder.undo()
+                raise
+            except KeyboardInterrupt:
+                run_folder.undo(only_if_untouched=True)
+                raise
+
+        return main
+
+    return decorate

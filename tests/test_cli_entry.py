@@ -1,0 +1,105 @@
+"""Every app's entry point (utils/cli.py `hydra_app`): a bad override is one line and exit 2 before Hydra creates
+anything, a run refused for bad input leaves the disk as it found it, and the thread count is chosen and logged."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slimwise_train.utils.cli import _override_variants, threads_for_this_process
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+APPS = {"prune": "slimwise_train.prune", "train": "slimwise_train", "eval": "slimwise_train.eval",
+        "plan": "slimwise_train.plan"}
+
+
+def run(app: str, args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", APPS[app], *args], cwd=cwd, env=env or ENV, capture_output=True,
+                          text=True, timeout=300)
+
+
+def the_error(proc, app: str) -> str:
+    """The one `<prog>: error:` line; fails on a traceback or a multi-line Hydra block."""
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Set the environment variable HYDRA_FULL_ERROR" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip() and "][slimwise" not in line]
+    assert len(lines) == 1 and lines[0].startswith(f"{APPS[app]}: error: "), proc.stderr
+    return lines[0]
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("app, override, expected", [
+    ("prune", "model=nosuchpreset", "Could not find 'model/nosuchpreset'; choose one of: "),
+    ("train", "distill/trainable=bogus", "Could not find 'distill/trainable/bogus'; choose one of: always_on"),
+    ("plan", "world_size=abc", "world_size=abc: Value 'abc' of type 'str' could not be converted to Integer"),
+    ("plan", "world_size=1.5", "world_size=1.5: Value '1.5' of type 'float' could not be converted to Integer"),
+    ("prune", "prune.ratoi=0.3", "Key 'ratoi' not in 'PruneConfig'; did you mean ratio?"),
+    ("eval", "eval.budget=lots", "eval.budget must be >= 1 token per family"),
+])
+def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override, expected):
+    start = time.perf_counter()
+    proc = run(app, [override], cwd=tmp_path)
+    line = the_error(proc, app)
+    assert expected in line
+    assert "_schema" not in line  # the typed schemas Hydra lists as choices are not presets
+    assert tree(tmp_path) == []
+    assert time.perf_counter() - start < 60  # before any model loads
+
+
+def test_every_value_of_a_sweep_is_checked_before_the_first_job(tmp_path):
+    proc = run("prune", ["--multirun", "prune.ratio=0.25,abc"], cwd=tmp_path)
+    assert "prune.ratio=abc" in the_error(proc, "prune")
+    assert tree(tmp_path) == []
+    variants = _override_variants(["a=1,2", "b=x", "c=3,4,5"])
+    assert variants == [["a=1", "b=x", "c=3"], ["a=2", "b=x", "c=3"], ["a=1", "b=x", "c=4"], ["a=1", "b=x", "c=5"]]
+
+
+def test_an_output_folder_that_cannot_be_created_is_named(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    proc = run("prune", [f"hydra.run.dir={tmp_path / 'a-file' / 'run'}"], cwd=tmp_path)
+    line = the_error(proc, "prune")
+    assert "a-file/run cannot be created" in line and "not a folder" in line
+    assert tree(tmp_path) == ["a-file"]
+
+
+@pytest.mark.parametrize("app, bad", [
+    ("prune", "prune.ratio=2"),
+    ("train", "distill.kl_weight=-1"),
+    ("eval", "eval.num_per_family=0"),
+])
+def test_a_run_refused_for_bad_input_leaves_no_folder_and_no_log(tmp_path, app, bad):
+    proc = run(app, [bad, f"hydra.run.dir={tmp_path / 'outputs' / 'deep' / 'run'}", f"output_dir={tmp_path / 'o'}"]
+               if app == "train" else [bad, f"hydra.run.dir={tmp_path / 'outputs' / 'deep' / 'run'}"], cwd=tmp_path)
+    assert bad.split("=")[0] in the_error(proc, app)
+    assert tree(tmp_path) == []
+
+
+def test_a_refused_rerun_keeps_the_folder_and_the_log_it_had(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "prune.log").write_text("the earlier run's log\n")
+    (run_dir / "keep_set.json").write_text("{}")
+    proc = run("prune", ["prune.ratio=2", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    the_error(proc, "prune")
+    assert tree(tmp_path) == ["run", "run/keep_set.json", "run/prune.log"]
+    assert (run_dir / "prune.log").read_text() == "the earlier run's log\n"
+
+
+def test_the_thread_count_is_the_environment_s_or_the_physical_cores_and_is_logged(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_for_this_process() == (3, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    threads, why = threads_for_this_process()
+    assert 1 <= threads <= len(os.sched_getaffinity(0)) and "physical cores" in why
+    env = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    proc = run("prune", ["prune.ratio=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
+    the_error(proc, "prune")  # the app logs its threads first, then refuses
+    assert f"torch threads: {threads} (physical cores" in proc.stdout + proc.stderr
