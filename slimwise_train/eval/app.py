@@ -22,12 +22,11 @@ import os
 import time
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import CONF_DIR, EvalAppConfig, check_known_keys, register_configs, to_container
+from slimwise_train.config import EvalAppConfig, check_known_keys, register_configs, to_container
 from slimwise_train.utils import distributed as du
-from slimwise_train.utils.cli import user_errors
+from slimwise_train.utils.cli import hydra_app, user_errors
 from slimwise_train.utils.rundir import check_writable, die_with_launcher
 
 log = logging.getLogger("slimwise.eval")
@@ -48,16 +47,13 @@ def keep_set_name(path: str | Path, taken: set[str]) -> str:
 
 
 def validate_eval_config(cfg) -> None:
-    from slimwise_train.eval.generation import MODES, check_student_path
+    from slimwise_train.eval.generation import check_modes_run, check_student_path
 
     check_known_keys(cfg, EvalAppConfig)
     check_writable(Path(cfg.output_dir), create=False)
     ev = cfg.eval
-    unknown = [m for m in ev.modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown eval.modes {unknown}; use some of {list(MODES)}")
-    if not ev.modes:
-        raise ValueError(f"eval.modes is empty; use some of {list(MODES)}")
+    # unknown or empty eval.modes, or none that can run with these keep sets and student (before the model loads)
+    check_modes_run(list(ev.modes), bool(ev.keep_sets), bool(ev.student))
     if ev.num_per_family < 1:
         raise ValueError(f"eval.num_per_family must be >= 1, got {ev.num_per_family}")
     if ev.batch_size < 1:
@@ -183,7 +179,7 @@ def run_eval(cfg) -> dict:
 register_configs()
 
 
-@hydra.main(config_path=CONF_DIR, config_name="eval", version_base=None)
+@hydra_app("eval", "slimwise_train.eval")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.eval"):

@@ -52,6 +52,46 @@ MODE_DESCRIPTIONS = {
 }
 
 
+KEEP_SET_MODES = tuple(m for m in MODES if m != "full")  # every mode but full masks with a keep set
+MODE_FIXES = {"eval.keep_sets": "eval.keep_sets=[<keep_set.json>]",
+              "eval.student": "eval.student=<exported student folder>"}
+
+
+def missing_for_modes(modes: Sequence[str], has_keep_sets: bool, has_student: bool) -> dict[str, tuple[str, ...]]:
+    """{mode: the config keys it lacks} for the modes of `modes` that cannot run: every mode but full needs a keep
+    set (eval.keep_sets), slimwise_distill also a student (eval.student)."""
+    out = {}
+    for mode in dict.fromkeys(modes):
+        keys = (("eval.keep_sets",) if mode in KEEP_SET_MODES and not has_keep_sets else ()) + \
+               (("eval.student",) if mode == "slimwise_distill" and not has_student else ())
+        if keys:
+            out[mode] = keys
+    return out
+
+
+def check_modes_run(modes: Sequence[str], has_keep_sets: bool, has_student: bool) -> None:
+    """Refuse unknown or no eval.modes, and a list of which no mode can run (eval.modes=[slimwise_distill] without
+    eval.student, eval.modes=[conventional] without eval.keep_sets): one line naming eval.modes and the missing keys.
+    Modes that cannot run beside one that can are skipped with a note (`evaluate`): the default list runs only full
+    when no keep set is given."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown eval.modes {unknown}; use some of {list(MODES)}")
+    if not modes:
+        raise ValueError(f"eval.modes is empty; use some of {list(MODES)}")
+    missing = missing_for_modes(modes, has_keep_sets, has_student)
+    if len(missing) < len(dict.fromkeys(modes)):
+        return
+    by_keys: dict[tuple[str, ...], list[str]] = {}
+    for mode, keys in missing.items():
+        by_keys.setdefault(keys, []).append(mode)
+    needs = "; ".join(f"{', '.join(group)} need{'s' if len(group) == 1 else ''} {' and '.join(keys)}"
+                      for keys, group in by_keys.items())
+    lacking = dict.fromkeys(key for keys in missing.values() for key in keys)
+    raise ValueError(f"eval.modes=[{','.join(missing)}] evaluates nothing: {needs}; set "
+                     f"{' and '.join(MODE_FIXES[key] for key in lacking)}, or add full to eval.modes")
+
+
 # ----------------------------------------------------------------------------------------------- problems
 @dataclass(frozen=True)
 class Problem:
@@ -314,15 +354,11 @@ def evaluate(
 
     `model` is the full model (no masking installed); `keep_sets` maps a name to a keep set (a sequence gets names
     ks0, ks1, ...). `student` is `load_student`'s pair for slimwise_distill. Modes that cannot run (no keep set, no
-    student) are skipped with a note in `results["notes"]`.
+    student) are skipped with a note in `results["notes"]`; none that can run is an error (`check_modes_run`).
     """
     from tqdm.auto import tqdm
 
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown eval.modes {unknown}; use some of {list(MODES)}")
-    if not modes:
-        raise ValueError(f"eval.modes is empty; use some of {list(MODES)}")
+    check_modes_run(modes, bool(keep_sets), student is not None)
     if get_masking(model) is not None:
         raise ValueError("evaluate() wants the full model without PhaseMasking; it installs masking per keep set")
     if not isinstance(keep_sets, Mapping):

@@ -178,8 +178,10 @@ def _mlp_size(module: nn.Module | None) -> int:
     return int(gate.weight.shape[0]) if gate is not None and hasattr(gate, "weight") else 0
 
 
-def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloat16) -> tuple[Architecture, object]:
-    """(Architecture, the meta DistillModel) for the configured model, keep ratio and student."""
+def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloat16,
+             config=None) -> tuple[Architecture, object]:
+    """(Architecture, the meta DistillModel) for the configured model, keep ratio and student; `config`: the model's
+    transformers config when the caller has read it already (default: `architecture_config(model_cfg)`)."""
     from transformers import AutoModelForCausalLM
 
     from slimwise_train.distill.lora import expert_wrappers
@@ -194,7 +196,7 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
     from slimwise_train.moe.keepset import KeepSet
     from slimwise_train.prune.criteria import select_keep, validate_prune_config
 
-    config = architecture_config(model_cfg)
+    config = architecture_config(model_cfg) if config is None else config
     validate_prune_config(prune_cfg)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

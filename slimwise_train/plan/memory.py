@@ -341,15 +341,99 @@ def zero3_gathered_bytes(arch: Architecture, s: int, recompute: str, prefetch: i
 # --------------------------------------------------------------------------- the plan
 
 
+def _integer(value):
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _positive_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
+            and float(value) > 0)
+
+
+def validate_plan_config(cfg) -> None:
+    """Every value of conf/plan.yaml the config alone shows wrong, in one line naming the key and the valid range:
+    run first by `plan_from_config`, before the architecture is read or the meta model is built. The model's own
+    limit (data.seq_len <= max_position_embeddings) is checked next, from its config alone (`check_seq_len`)."""
+    from slimwise_train.config import check_distill_config
+    from slimwise_train.distill.batches import SplitRule
+    from slimwise_train.distill.engine import validate_engine_config
+    from slimwise_train.prune.criteria import validate_prune_config
+
+    resolve_dtype(cfg)
+    engine = str(cfg.engine.name)
+    if engine not in ZERO_STAGE:
+        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ZERO_STAGE)}")
+    validate_engine_config(cfg.engine, cfg.distill)
+    world = _integer(cfg.world_size)
+    if world is None or world < 1:
+        raise ValueError(f"world_size={cfg.world_size} is invalid: the run needs at least one rank; use an integer "
+                         "world_size>=1 (the ranks the run is spread over, e.g. world_size=8)")
+    if not _positive_number(cfg.gpu_memory_gib):
+        raise ValueError(f"gpu_memory_gib={cfg.gpu_memory_gib} is invalid: the memory per GPU must be a finite "
+                         "number > 0 (GiB); e.g. gpu_memory_gib=80")
+    baseline = cfg.get("baseline_mib")
+    if baseline is not None and not (_positive_number(baseline) or baseline == 0):
+        raise ValueError(f"baseline_mib={baseline} is invalid: the framework's baseline per rank is a finite number "
+                         ">= 0 (MiB), or null for the calibrated default")
+    recompute = str(cfg.distill.recompute)
+    if recompute not in ("none", "moe", "layer"):
+        raise ValueError(f"unknown distill.recompute {recompute!r}; use none, moe or layer")
+    check_distill_config(cfg.distill)
+    rule = SplitRule(int(cfg.distill.min_split), int(cfg.distill.min_continuation))  # names distill.min_*
+    batch = _integer(cfg.data.batch_size)
+    if batch is None or batch < 1:
+        raise ValueError(f"data.batch_size={cfg.data.batch_size} is invalid: the micro batch per rank must be an "
+                         "integer >= 1; e.g. data.batch_size=1")
+    seq, shortest = _integer(cfg.data.seq_len), rule.min_split + rule.min_continuation
+    if seq is None or seq < shortest:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} is too short to split: a sequence needs distill.min_split "
+                         f"+ distill.min_continuation = {shortest} tokens; use data.seq_len>={shortest}")
+    validate_prune_config(cfg.prune)
+    resolve_shape(cfg)
+
+
+def check_seq_len(cfg, config) -> None:
+    """data.seq_len within the model's max_position_embeddings (`config`: its transformers config), as the trainer
+    requires (slimwise_train.data.loading.check_seq_len)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit is not None and int(cfg.data.seq_len) > int(limit):
+        shortest = int(cfg.distill.min_split) + int(cfg.distill.min_continuation)
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the max_position_embeddings={limit} of model "
+                         f"{cfg.model.name}; use data.seq_len in [{shortest}, {limit}]")
+
+
 def resolve_shape(cfg) -> Shape:
-    """Worst case of the run's split rule unless given: the longest continuation data.seq_len - distill.min_split on a
-    distill.min_split-token prefix (activations and logits grow with the continuation)."""
-    seq, min_split = int(cfg.data.seq_len), int(cfg.distill.min_split)
-    cont = cfg.continuation_tokens if cfg.get("continuation_tokens") is not None else seq - min_split
-    prefix = cfg.prefix_tokens if cfg.get("prefix_tokens") is not None else seq - int(cont)
-    if int(cont) < 1 or int(prefix) < 0:
-        raise ValueError(f"continuation_tokens={cont}, prefix_tokens={prefix}: need >= 1 and >= 0")
-    return Shape(int(cfg.data.batch_size), int(prefix), int(cont))
+    """The planned micro-batch: data.batch_size rows, the longest prefix P and the longest continuation L.
+
+    The split rule (slimwise_train/distill/batches.py) puts a sequence of n <= data.seq_len tokens at s in
+    [distill.min_split, n - distill.min_continuation]: so P is in [min_split, seq_len - min_continuation] and L in
+    [min_continuation, seq_len - min_split]. With one row (data.batch_size=1) both come from one sequence, so
+    P + L <= seq_len; with more rows P and L may come from different rows (left- and right-padded).
+
+    Unless given, the worst case of that rule: the longest continuation seq_len - min_split on a min_split-token
+    prefix (activations and logits grow with the continuation); with prefix_tokens given and one row, the rest of the
+    sequence, seq_len - prefix_tokens; with continuation_tokens given, prefix seq_len - continuation_tokens."""
+    seq, batch = int(cfg.data.seq_len), int(cfg.data.batch_size)
+    min_split, min_cont = int(cfg.distill.min_split), int(cfg.distill.min_continuation)
+    prefix, cont = cfg.get("prefix_tokens"), cfg.get("continuation_tokens")
+    where = (f"at data.seq_len={seq} (split rule: distill.min_split={min_split}, "
+             f"distill.min_continuation={min_cont}), or null for the worst case")
+    if prefix is not None and not min_split <= int(prefix) <= seq - min_cont:
+        raise ValueError(f"prefix_tokens={prefix} is invalid: use prefix_tokens in [{min_split}, {seq - min_cont}] "
+                         + where)
+    if cont is not None and not min_cont <= int(cont) <= seq - min_split:
+        raise ValueError(f"continuation_tokens={cont} is invalid: use continuation_tokens in [{min_cont}, "
+                         f"{seq - min_split}] " + where)
+    if cont is None:
+        cont = seq - int(prefix) if prefix is not None and batch == 1 else seq - min_split
+    if prefix is None:
+        prefix = seq - int(cont)
+    if batch == 1 and int(prefix) + int(cont) > seq:
+        raise ValueError(f"prefix_tokens={prefix} + continuation_tokens={cont} = {int(prefix) + int(cont)} exceeds "
+                         f"data.seq_len={seq}: with data.batch_size=1 both come from one sequence; use "
+                         "prefix_tokens + continuation_tokens <= data.seq_len")
+    return Shape(batch, int(prefix), int(cont))
 
 
 def resolve_dtype(cfg) -> tuple[str, torch.dtype]:
@@ -453,8 +537,14 @@ def plan_memory(arch: Architecture, cfg, shape: Shape, device: str, dtype: torch
 
 
 def plan_from_config(cfg) -> Plan:
-    """The plan for a composed conf/plan.yaml."""
+    """The plan for a composed conf/plan.yaml: the config checked first (`validate_plan_config`), then data.seq_len
+    against the model's config, then the meta model."""
+    from slimwise_train.plan.architecture import architecture_config
+
+    validate_plan_config(cfg)
     device, dtype = resolve_dtype(cfg)
     shape = resolve_shape(cfg)
-    arch, _ = describe(cfg.model, cfg.prune, cfg.distill, dtype)
+    config = architecture_config(cfg.model)
+    check_seq_len(cfg, config)
+    arch, _ = describe(cfg.model, cfg.prune, cfg.distill, dtype, config=config)
     return plan_memory(arch, cfg, shape, device, dtype)

@@ -38,7 +38,14 @@ def routing_mass(stats: ExpertStatistics) -> torch.Tensor:
 
 
 def routing_mass_routed(stats: ExpertStatistics) -> torch.Tensor:
-    """[L, E]: sum over the tokens ROUTED to j of p_j(x) (the REAP codebase's weighted frequency)."""
+    """[L, E]: sum over the tokens ROUTED to j of p_j(x), the router's probability over all experts (not renormalised
+    over the top k: `ExpertStatistics.mass_routed`).
+
+    The REAP codebase's weighted frequency (`weighted_expert_frequency_sum`) is this number only without top-k
+    renormalisation: its observer divides by the top-k sum only when the model's `config.norm_topk_prob` is set (and
+    its `renormalize_router_weights` flag, on by default), and then its number is the project's
+    `ExpertStatistics.gate_sum` (the weights the forward applies; no criterion of its own) wherever the forward's
+    weight is exactly the renormalised softmax (Qwen3-MoE with norm_topk_prob: true)."""
     return stats.mass_routed.clone()
 
 
@@ -48,7 +55,11 @@ def ean(stats: ExpertStatistics) -> torch.Tensor:
 
 
 def reap(stats: ExpertStatistics) -> torch.Tensor:
-    """[L, E]: REAP_j = (1/n_j) sum over tokens routed to j of g_j(x) ||f_j(x)||_2; 0 for never-routed experts."""
+    """[L, E]: REAP_j = (1/n_j) sum over tokens routed to j of g_j(x) ||f_j(x)||_2; 0 for never-routed experts.
+
+    g_j is the weight the model's forward applies (renormalised over the top k where the family renormalises). The
+    REAP codebase renormalises only when `config.norm_topk_prob` is set, so on a family that renormalises without
+    that key (Mixtral) its g_j is the softmax over all experts and its scores differ from these."""
     return torch.where(stats.frequency > 0, stats.reap_sum / stats.frequency.clamp(min=1), torch.zeros_like(stats.reap_sum))
 
 
