@@ -153,6 +153,10 @@ class DistillConfig:
     keep_checkpoints: int = 2
     export: bool = True  # write export/ (HF checkpoint) and student_trainable.safetensors at the end
     check_frozen: bool = True  # hash every frozen tensor at start and end (and on resume); costs one pass over them
+    # prune.keep_set scored on other weights than this run's model (its meta.model names another checkpoint, seed or
+    # revision) is an error; true trains with it anyway (a warning says so), e.g. a keep set of the base checkpoint
+    # reused on its fine-tune.
+    allow_foreign_keep_set: bool = False
     trainable: TrainableConfig = field(default_factory=TrainableConfig)  # LoRA presets (conf/distill/trainable/)
 
 
@@ -355,3 +359,79 @@ def check_known_keys(cfg: Any, schema: type, where: str = "") -> None:
         value = cfg._get_node(key)
         if dataclasses.is_dataclass(sub_schema) and isinstance(value, DictConfig):
             check_known_keys(value, sub_schema, path)
+
+
+# --------------------------------------------------------------------------- value checks (no model, no data needed)
+
+
+def _number(value) -> float | None:
+    """`value` as a float, or None when it is not a finite number (nan, inf, a string)."""
+    import math
+
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _integer(value) -> int | None:
+    """`value` when it is an int (not a bool), else None."""
+    return None if isinstance(value, bool) or not isinstance(value, int) else value
+
+
+# DistillConfig's numbers that no run can use otherwise: (key, lowest, lowest allowed too, rule, a valid example).
+_DISTILL_AT_LEAST_ONE = ("max_steps", "top_k", "chunk_size", "grad_accum", "log_every", "save_every", "eval_every",
+                         "eval_batches", "eval_samples", "max_nan_steps", "keep_checkpoints", "bucket_windows")
+_DISTILL_RANGES = (
+    ("lr", 0.0, False, "a finite number > 0", "1e-4"),
+    ("adam_eps", 0.0, False, "a finite number > 0", "1e-8"),
+    ("weight_decay", 0.0, True, "a finite number >= 0", "0.0"),
+    ("grad_clip", 0.0, True, "a finite number >= 0 (0 disables clipping)", "1.0"),
+    ("ce_weight", 0.0, True, "a finite number >= 0", "0.1"),
+    ("kl_weight", 0.0, True, "a finite number >= 0", "0.9"),
+)
+
+
+def check_distill_config(d, key: str = "distill") -> None:
+    """Refuse a distill.* value no run can use (a learning rate <= 0, zero steps, a negative loss weight, ...) in one
+    line naming the key and a valid value. Needs neither the model nor the data: the trainer calls it first."""
+    for name in _DISTILL_AT_LEAST_ONE:
+        value = _integer(d.get(name))
+        if value is None or value < 1:
+            raise ValueError(f"{key}.{name}={d.get(name)} is invalid: it must be an integer >= 1; "
+                             f"e.g. {key}.{name}={getattr(DistillConfig, name)}")
+    warmup = _integer(d.get("warmup_steps"))
+    if warmup is None or warmup < 0:
+        raise ValueError(f"{key}.warmup_steps={d.get('warmup_steps')} is invalid: it must be an integer >= 0; "
+                         f"{key}.warmup_steps=0 for no warm-up")
+    for name, low, inclusive, rule, example in _DISTILL_RANGES:
+        number = _number(d.get(name))
+        if number is None or number < low or (number == low and not inclusive):
+            raise ValueError(f"{key}.{name}={d.get(name)} is invalid: it must be {rule}; e.g. {key}.{name}={example}")
+    if float(d.ce_weight) + float(d.kl_weight) == 0:
+        raise ValueError(f"{key}.ce_weight and {key}.kl_weight are both 0, so the loss is 0; e.g. "
+                         f"{key}.kl_weight=0.9 {key}.ce_weight=0.1")
+    ratio = _number(d.get("min_lr_ratio"))
+    if ratio is None or not 0 <= ratio <= 1:
+        raise ValueError(f"{key}.min_lr_ratio={d.get('min_lr_ratio')} is invalid: the cosine ends at min_lr_ratio x "
+                         f"lr, a share in [0, 1]; e.g. {key}.min_lr_ratio=0.1")
+    for name, example in (("adam_beta1", 0.9), ("adam_beta2", 0.999)):
+        beta = _number(d.get(name))
+        if beta is None or not 0 <= beta < 1:
+            raise ValueError(f"{key}.{name}={d.get(name)} is invalid: an Adam beta is in [0, 1); "
+                             f"e.g. {key}.{name}={example}")
+    size = d.get("shared_expert_intermediate_size")
+    if size is not None and (_integer(size) is None or size < 1):
+        raise ValueError(f"{key}.shared_expert_intermediate_size={size} is invalid: it must be an integer >= 1, or "
+                         f"null for the routed expert size")
+
+
+def check_data_config(data, key: str = "data") -> None:
+    """Refuse data.* sizes no run can use, in one line naming the key (`key`: data, calibration); the source itself
+    is checked by `slimwise_train.data.loading.check_source`."""
+    for name, low in (("num_samples", 1), ("batch_size", 1), ("seq_len", 2)):
+        value = _integer(data.get(name))
+        if value is None or value < low:
+            raise ValueError(f"{key}.{name}={data.get(name)} is invalid: it must be an integer >= {low}; "
+                             f"e.g. {key}.{name}={getattr(DataConfig, name)}")

@@ -15,6 +15,7 @@ The tokenizer's chat template is used when it has one and `chat_template` is on.
 from __future__ import annotations
 
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,8 @@ def list_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def _load_rows(source: str, split: str, subset: str | None = None, data_files=None):
+def _load_rows(source: str, split: str, subset: str | None = None, data_files=None, key: str = "data",
+               recipe: str | None = None):
     from datasets import load_dataset
 
     path = Path(source)
@@ -103,7 +105,67 @@ def _load_rows(source: str, split: str, subset: str | None = None, data_files=No
             return load_dataset(builder, data_files=files, split="train")
         except Exception as exc:  # datasets raises many types for malformed files; one clear message
             raise ValueError(f"data source {source}: cannot read it as {builder}: {exc}") from None
-    return load_dataset(source, subset, split=split, data_files=data_files)
+    try:
+        return load_dataset(source, subset, split=split, data_files=data_files)
+    except _hub_errors() as exc:
+        where = f"{key}.source={recipe}: its source {source}" if recipe else f"{key}.source={source}"
+        raise ValueError(_unreachable_message(where, key, exc)) from None
+
+
+def _hub_errors() -> tuple[type[BaseException], ...]:
+    """What `load_dataset(<hub id>)` raises when the id cannot be reached or found: offline (datasets wraps
+    huggingface_hub's OfflineModeIsEnabled into a ConnectionError), no network, no such dataset (online), or not in
+    the local cache (offline)."""
+    from datasets.exceptions import DatasetNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    return (ConnectionError, DatasetNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError)
+
+
+def _unreachable_message(where: str, key: str, exc: BaseException) -> str:
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        hint = ("HF_HUB_OFFLINE is set, so a hub dataset must already be in the local cache: fetch it once with the "
+                "network, or")
+    else:
+        hint = "check the hub id (owner/name) and the network, or"
+    recipes = ", ".join(list_recipes())
+    return (f"{where}: neither a local file or folder nor reachable on the hub ({first[:160]}); {hint} point "
+            f"{key}.source at a local .jsonl/.json/.parquet/.txt file or folder or a recipe ({recipes})")
+
+
+_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt", ".csv", ".yaml", ".yml", ".arrow", ".gz")
+
+
+def _looks_like_hub_id(source: str) -> bool:
+    """owner/name: one slash, not a path (./x, /x, ~/x) and no data file suffix (data/train.jsonl is a file)."""
+    return (source.count("/") == 1 and not source.startswith((".", "/", "~"))
+            and Path(source).suffix.lower() not in _FILE_SUFFIXES)
+
+
+def check_source(source: str, key: str = "data") -> None:
+    """Raise a one-line FileNotFoundError naming `<key>.source` when it is neither a recipe, an existing local file or
+    folder, nor a hub id, or a recipe lists a local path that does not exist. Reads no data (the trainer calls it
+    before the model loads); whether a hub id is reachable is only known when it loads (`load_pairs`)."""
+    source = str(source)
+    recipe = recipe_path(source)
+    if recipe is not None:
+        data = yaml.safe_load(recipe.read_text())
+        for entry in (data.get("sources") if isinstance(data, dict) else None) or []:
+            local = entry.get("path") if isinstance(entry, dict) else None
+            if local and not Path(local).exists():
+                raise FileNotFoundError(f"{key}.source={source}: the recipe {recipe} reads {local}, which does not "
+                                        "exist; fix its path or point it at a hub id (id: owner/name)")
+        return
+    if Path(source).exists() or _looks_like_hub_id(source):
+        return
+    recipes = ", ".join(list_recipes())
+    if "/" in source or source.startswith("~") or Path(source).suffix.lower() in _FILE_SUFFIXES:
+        raise FileNotFoundError(f"{key}.source={source} is neither a recipe ({recipes}), an existing file or folder "
+                                f"(no such path), nor a hub id (owner/name); point {key}.source at an existing "
+                                ".jsonl/.json/.parquet/.txt file or folder")
+    raise FileNotFoundError(f"{key}.source={source!r} is neither a recipe ({recipes}), an existing file or folder, nor "
+                            f"a hub id (owner/name); point {key}.source at one of them")
 
 
 def _string(row: dict, key: str) -> str:
@@ -166,20 +228,18 @@ def _row_to_pair(row: dict, text_field: str | None = None, family: str = "") -> 
     )
 
 
-def load_pairs(data_cfg, split: str | None = None, num_samples: int | None = None) -> list[TextPair]:
+def load_pairs(data_cfg, split: str | None = None, num_samples: int | None = None, key: str = "data") -> list[TextPair]:
     """Read `num_samples` (default data_cfg.num_samples) sequences from the configured source, shuffled with
-    data_cfg.seed. Raises a clear error for a missing or empty source."""
+    data_cfg.seed. Raises a clear error for a missing, unreachable or empty source (`key`: its config group in
+    messages, data or calibration)."""
     split = split or data_cfg.split
     num_samples = num_samples if num_samples is not None else data_cfg.num_samples
+    check_source(data_cfg.source, key)
     if recipe_path(data_cfg.source) is not None:
-        pairs = _pairs_from_recipe(load_recipe(data_cfg.source), split, num_samples, data_cfg.seed)
+        pairs = _pairs_from_recipe(load_recipe(data_cfg.source), split, num_samples, data_cfg.seed, key=key,
+                                   name=data_cfg.source)
     else:
-        if not Path(data_cfg.source).exists() and ("/" not in data_cfg.source or data_cfg.source.startswith((".", "/"))):
-            raise FileNotFoundError(
-                f"data source {data_cfg.source!r} is neither a recipe ({', '.join(list_recipes())}), an existing "
-                "file or folder, nor a hub id (owner/name)"
-            )
-        rows = _load_rows(data_cfg.source, split, data_cfg.subset)
+        rows = _load_rows(data_cfg.source, split, data_cfg.subset, key=key)
         pairs = [p for p in (row_to_pair(r, data_cfg.text_field) for r in rows) if p is not None]
     if not pairs:
         raise ValueError(f"data source {data_cfg.source!r} (split {split}) has no usable rows")
@@ -188,7 +248,8 @@ def load_pairs(data_cfg, split: str | None = None, num_samples: int | None = Non
     return pairs[:num_samples]
 
 
-def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int) -> list[TextPair]:
+def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int, key: str = "data",
+                       name: str | None = None) -> list[TextPair]:
     if "families" in recipe:  # the offline synthetic suite
         from slimwise_train.data import synthetic
 
@@ -202,7 +263,8 @@ def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int) ->
     pairs: list[TextPair] = []
     for src in sources:
         want = max(1, round(num_samples * float(src.get("weight", 1.0)) / total))
-        rows = _load_rows(src.get("path") or src["id"], src.get("split", split), src.get("subset"))
+        rows = _load_rows(src.get("path") or src["id"], src.get("split", split), src.get("subset"), key=key,
+                          recipe=name or recipe.get("name"))
         got = []
         context = list(src.get("context_fields") or [])
         for row in rows:

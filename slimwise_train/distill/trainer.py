@@ -32,9 +32,11 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from slimwise_train.moe.adapters import get_adapter
-from slimwise_train.config import TrainAppConfig, check_known_keys, to_container
+from slimwise_train.config import (TrainAppConfig, check_data_config, check_distill_config, check_known_keys,
+                                   to_container)
 from slimwise_train.distill import batches as B
-from slimwise_train.distill.checkpoint import gather_objects, load_checkpoint, resolve_resume, save_checkpoint
+from slimwise_train.distill.checkpoint import (complete_checkpoints, gather_objects, load_checkpoint, resolve_resume,
+                                               save_checkpoint)
 from slimwise_train.distill.engine import build_engine, partitioned_loading, validate_engine_config
 from slimwise_train.distill.lora import lora_from_config, preset_name
 from slimwise_train.distill.losses import KL_LOSSES, distill_loss
@@ -55,6 +57,11 @@ class NonFiniteLossError(RuntimeError):
 
 
 def validate_train_config(cfg) -> None:
+    """Everything the config alone can show wrong, before anything is created or loaded (the first thing `setup`
+    does): unknown keys, values no run can use (distill.lr <= 0, zero steps, negative weights, ...), a data source
+    that is neither a recipe, a local file or folder nor a hub id."""
+    from slimwise_train.data.loading import check_source
+
     check_known_keys(cfg, TrainAppConfig)
     if cfg.model.get("device_map"):
         raise ValueError("model.device_map is for prune/eval (one model over a node's GPUs); training partitions the "
@@ -62,14 +69,12 @@ def validate_train_config(cfg) -> None:
     d = cfg.distill
     if d.kl_loss not in KL_LOSSES:
         raise ValueError(f"unknown distill.kl_loss {d.kl_loss!r}; use one of {', '.join(KL_LOSSES)}")
-    for key in ("max_steps", "top_k", "chunk_size", "grad_accum", "log_every", "save_every", "eval_batches",
-                "max_nan_steps", "keep_checkpoints"):
-        if int(d[key]) < 1:
-            raise ValueError(f"distill.{key} must be >= 1, got {d[key]}")
-    if d.ce_weight < 0 or d.kl_weight < 0 or d.ce_weight + d.kl_weight == 0:
-        raise ValueError(f"distill.ce_weight and kl_weight must be >= 0 and not both 0, got {d.ce_weight}, {d.kl_weight}")
-    if int(cfg.data.batch_size) < 1:
-        raise ValueError(f"data.batch_size must be >= 1, got {cfg.data.batch_size}")
+    check_distill_config(d)
+    check_data_config(cfg.data, "data")
+    check_source(cfg.data.source, "data")
+    if not cfg.prune.keep_set:  # the keep set is scored now, on the calibration data
+        check_data_config(cfg.calibration, "calibration")
+        check_source(cfg.calibration.source, "calibration")
     if cfg.logger.name not in LOGGERS:
         raise ValueError(f"unknown logger {cfg.logger.name!r}; use one of {', '.join(LOGGERS)}")
     validate_engine_config(cfg.engine, d)
@@ -99,6 +104,7 @@ class Trainer:
         self.claim = contextlib.ExitStack()
         self.loading = None
         self.frozen_names: list[str] | None = None  # the digest's order, fixed by its first call
+        self.requested_keep_set: KeepSet | None = None  # prune.keep_set, read before the model loads
 
     # ================================================================== setup
     def setup(self) -> "Trainer":
@@ -107,6 +113,9 @@ class Trainer:
 
         cfg = self.cfg
         validate_train_config(cfg)
+        # prune.keep_set: the file, its family, exportability, the weights it was scored on and the run folder's own
+        # keep set are checked now, before the folder is claimed and the model loads.
+        self.requested_keep_set = self._precheck_keep_set()
         du.init_if_launched(cfg.engine.backend)
         self.rank, self.world_size = du.rank(), du.world_size()
         if du.is_rank0():
@@ -132,6 +141,9 @@ class Trainer:
         check_seq_len(cfg.data, model)
         self.vocab_size = full_shape(model.get_output_embeddings().weight)[0]
         self.keep_set = self._resolve_keep_set(model)
+        if self.requested_keep_set is None:  # scored now: checked as soon as it exists, before data or any write
+            self._check_exportable(self.keep_set, get_adapter(model), model.config)
+            self._check_run_folder(self.keep_set)
         self.student = DistillModel(model, self.keep_set, StudentSpec.from_config(cfg.distill, seed=cfg.seed),
                                     recompute=str(cfg.distill.recompute))
         self.counts = self.student.parameter_counts()
@@ -205,7 +217,8 @@ class Trainer:
             log.info("data %s has no named splits: holding out %d rows of it for distill.eval_split=%s",
                      data_cfg.source, n_eval, eval_split)
         elif eval_split != data_cfg.split:
-            train, held_out = load_pairs(data_cfg), load_pairs(data_cfg, split=eval_split, num_samples=n_eval)
+            train = load_pairs(data_cfg, key="data")
+            held_out = load_pairs(data_cfg, split=eval_split, num_samples=n_eval, key="data")
             seen = set(train)
             shared = sum(p in seen for p in held_out)
             if shared:
@@ -214,7 +227,7 @@ class Trainer:
                     f"rows of split {data_cfg.split}; set distill.eval_split={data_cfg.split} to hold out rows of the "
                     "training read instead")
             return train, held_out
-        pairs = load_pairs(data_cfg, num_samples=n_train + n_eval)
+        pairs = load_pairs(data_cfg, num_samples=n_train + n_eval, key="data")
         if len(pairs) <= n_eval:
             raise ValueError(f"data source {data_cfg.source!r} has {len(pairs)} rows, not enough to hold out "
                              f"distill.eval_samples={n_eval} for evaluation")
@@ -242,20 +255,18 @@ class Trainer:
 
     def _resolve_keep_set(self, model) -> KeepSet:
         """prune.keep_set (a keep_set.json), or scored now with the prune library (what makes a ratio sweep work)."""
+        from slimwise_train.models import model_identity
         from slimwise_train.prune.criteria import get_criterion, select_keep, validate_prune_config
         from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
 
         cfg = self.cfg
         adapter = get_adapter(model)
-        if cfg.prune.keep_set:
-            from slimwise_train.models import model_identity
-
-            keep_set = KeepSet.load(cfg.prune.keep_set)
-            keep_set.check_model(model, adapter)  # structure: family, MoE layers, expert counts, top-k
-            scored_on = keep_set.meta.get("model")
-            if scored_on and scored_on != model_identity(cfg.model):
-                log.warning("keep set %s was scored on %s; this run distils %s (same structure, other weights?)",
-                            cfg.prune.keep_set, scored_on, model_identity(cfg.model))
+        if self.requested_keep_set is not None:  # prune.keep_set, loaded and checked by _precheck_keep_set
+            keep_set = self.requested_keep_set
+            try:
+                keep_set.check_model(model, adapter)  # structure: MoE layers, expert counts, top-k
+            except ValueError as exc:
+                raise ValueError(f"prune.keep_set={cfg.prune.keep_set}: {exc}") from None
             return keep_set
         validate_prune_config(cfg.prune)
         layers = adapter.moe_layers(model)
@@ -273,10 +284,100 @@ class Trainer:
         kept = select_keep(get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio, stats.top_k, cfg.prune.scope,
                            groups)
         meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
-                "statistics": source}
+                "model": model_identity(cfg.model), "statistics": source}
         log.info("keep set: %s by %s at ratio %s (statistics: %s)", [len(k) for k in kept], cfg.prune.criterion,
                  cfg.prune.ratio, source)
         return KeepSet.from_kept(layers, kept, model_type=model.config.model_type, meta=meta)
+
+    # ------------------------------------------------------------------ keep set checks (before anything is written)
+    def _precheck_keep_set(self) -> KeepSet | None:
+        """prune.keep_set read and checked with the model's config only (no weights): a malformed file, another
+        family, a non-uniform keep set this family cannot export, a keep set scored on other weights, a run folder
+        trained with another keep set. None when the keep set is scored in this run."""
+        from slimwise_train.models import load_config
+
+        cfg = self.cfg
+        path = cfg.prune.keep_set
+        if not path:
+            return None
+        keep_set = KeepSet.load(path, key="prune.keep_set")
+        config = load_config(cfg.model)
+        adapter = get_adapter(config)
+        try:
+            keep_set.check_family(config, adapter)
+        except ValueError as exc:
+            raise ValueError(f"prune.keep_set={path}: {exc}") from None
+        self._check_exportable(keep_set, adapter, config)
+        self._check_scored_on(keep_set)
+        self._check_run_folder(keep_set)
+        return keep_set
+
+    def _check_exportable(self, keep_set: KeepSet, adapter, config) -> None:
+        """distill.export writes a stock checkpoint at the end: a non-uniform keep set the family cannot hold is
+        refused now, not after the last step."""
+        from types import SimpleNamespace
+
+        from slimwise_train.moe.pruning import check_exportable
+
+        if not self.cfg.distill.export or keep_set.is_uniform:
+            return
+        try:
+            check_exportable(adapter, SimpleNamespace(config=config), keep_set)
+        except ValueError as exc:
+            source = (f"prune.keep_set={self.cfg.prune.keep_set}" if self.cfg.prune.keep_set
+                      else f"the keep set scored with prune.scope={self.cfg.prune.scope}")
+            raise ValueError(f"{source}: {exc}; or train without the export (distill.export=false)") from None
+
+    def _check_scored_on(self, keep_set: KeepSet) -> None:
+        """A keep set records the model it was scored on (meta.model); another one (checkpoint, revision, tiny seed)
+        chose its experts for other weights: an error unless distill.allow_foreign_keep_set."""
+        from slimwise_train.models import model_identity
+
+        cfg = self.cfg
+        scored_on = keep_set.meta.get("model")
+        if not scored_on or _same_model(str(scored_on), cfg.model):
+            return
+        if cfg.distill.allow_foreign_keep_set:
+            log.warning("keep set %s was scored on %s; this run distils %s (distill.allow_foreign_keep_set=true)",
+                        cfg.prune.keep_set, scored_on, model_identity(cfg.model))
+            return
+        raise ValueError(
+            f"prune.keep_set={cfg.prune.keep_set} was scored on {scored_on} but this run distils "
+            f"{model_identity(cfg.model)}: its experts were chosen for other weights; prune again on this model "
+            "(python -m slimwise_train.prune with the same model.*), or set distill.allow_foreign_keep_set=true to "
+            "train with it anyway"
+        )
+
+    def _check_run_folder(self, keep_set: KeepSet) -> None:
+        """Unless resume=never, a run folder (or resume=<checkpoint>) trained with another keep set is refused:
+        resuming it would train one keep set on another's checkpoint and leave a folder describing two runs."""
+        cfg = self.cfg
+        resume = str(cfg.resume)
+        if resume == "never":
+            return
+        recorded: list[tuple[Path, KeepSet]] = []
+        folder_keep = self.output_dir / "keep_set.json"
+        if folder_keep.is_file():
+            recorded.append((folder_keep, KeepSet.load(folder_keep, require_model_type=False)))
+        checkpoints = [path for _, path in complete_checkpoints(self.output_dir / "checkpoints")]
+        if resume != "auto":
+            checkpoints.append(Path(resume))
+        for path in checkpoints:
+            state_file = path / "trainer_state.json"
+            try:
+                state = json.loads(state_file.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue  # not readable: resume verification names the problem (or skips the checkpoint)
+            if isinstance(state, dict) and state.get("keep_set"):
+                recorded.append((state_file, KeepSet.from_dict(state["keep_set"], f"{state_file}: keep_set",
+                                                               require_model_type=False)))
+        for where, other in recorded:
+            if not other.same_experts(keep_set):
+                raise ValueError(
+                    f"output_dir {self.output_dir} holds a run trained with another keep set ({where} records "
+                    f"{_keep_set_difference(other, keep_set)}); resuming it would mix two runs in one folder: choose "
+                    "another output_dir, or resume=never to train this folder over from step 0"
+                )
 
     def _frozen_digest(self) -> str:
         """sha256 over every frozen tensor's bytes, one parameter at a time (ZeRO-3 gathers each in turn)."""
@@ -307,6 +408,7 @@ class Trainer:
             "world_size": self.world_size,
             "engine": self.cfg.engine.name,
             "frozen_digest": self.frozen_digest,
+            "keep_set": self.keep_set.to_dict(),  # a rerun of this folder with another keep set is refused
         }
 
     def _resume(self, path: Path) -> None:
@@ -629,6 +731,40 @@ class Trainer:
         if hasattr(self, "student"):
             self.student.remove_hooks()
         self.engine = self.sink = None
+
+
+def _same_model(scored_on: str, model_cfg) -> bool:
+    """Whether `scored_on` (a keep set's meta.model, `models.model_identity`) names this run's model; a local
+    checkpoint named by another path to the same folder (relative / absolute) counts as the same."""
+    from slimwise_train.models import model_identity, resolve_path
+
+    if scored_on == model_identity(model_cfg):
+        return True
+    if model_cfg.tiny or not model_cfg.path or "@" not in scored_on:
+        return False
+    path, _, revision = scored_on.rpartition("@")
+    if revision != (model_cfg.revision or "main"):
+        return False
+    try:
+        return os.path.samefile(os.path.expanduser(resolve_path(path)),
+                                os.path.expanduser(resolve_path(str(model_cfg.path))))
+    except OSError:
+        return False
+
+
+def _keep_set_difference(recorded: KeepSet, requested: KeepSet) -> str:
+    """`recorded` against `requested` in a few words: the first thing that differs."""
+    if recorded.model_type and requested.model_type and recorded.model_type != requested.model_type:
+        return f"model_type {recorded.model_type}, this run asks for {requested.model_type}"
+    mine, theirs = [lk.layer for lk in requested], [lk.layer for lk in recorded]
+    if mine != theirs:
+        return f"MoE layers {theirs}, this run asks for {mine}"
+    if recorded.num_kept != requested.num_kept:
+        return f"{list(recorded.num_kept)} kept experts per layer, this run asks for {list(requested.num_kept)}"
+    for old, new in zip(recorded, requested):
+        if old != new:
+            return f"layer {old.layer} keeping experts {list(old.kept)}, this run asks for {list(new.kept)}"
+    return "another keep set"
 
 
 def _kill_self(*_args) -> None:

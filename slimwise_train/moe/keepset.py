@@ -2,7 +2,9 @@
 
 A keep set is keyed by decoder layer index, records each layer's original expert count and top-k, and is
 validated on construction (indices in range, unique, at least top-k kept). `check_model` validates it against
-a concrete model, so a keep set scored on one model cannot silently be applied to another.
+a concrete model (`check_family` against its config alone, before the weights load), so a keep set scored on one
+model cannot silently be applied to another. The JSON form is read strictly: every index a JSON integer (3.7 or
+true is an error naming the layer, never 3 or 1) and `model_type` required.
 
 JSON form (``format: slimwise-keepset/1``)::
 
@@ -125,16 +127,26 @@ class KeepSet:
     def keep_fraction(self) -> float:
         return sum(self.num_kept) / sum(lk.num_experts for lk in self.layers)
 
-    def check_model(self, model, adapter=None) -> None:
-        """Raise a one-line ValueError unless this keep set fits `model` (layer indices, counts, top-k, family)."""
+    def check_family(self, model_or_config, adapter=None) -> None:
+        """Raise a one-line ValueError unless this keep set was made for the family of `model_or_config` (a model or
+        its config: the check needs no weights)."""
         from slimwise_train.moe.adapters import get_adapter, model_type_of
 
-        adapter = adapter or get_adapter(model)
-        moes = adapter.moe_layers(model)
+        adapter = adapter or get_adapter(model_or_config)
         if self.model_type is not None and adapter.family != _family_of(self.model_type):
             raise ValueError(
-                f"keep set was made for model_type {self.model_type!r} but the model is {model_type_of(model)!r}"
+                f"keep set was made for model_type {self.model_type!r} but the model is "
+                f"{model_type_of(model_or_config)!r}; prune again on this model (python -m slimwise_train.prune "
+                "model=...) and pass that keep_set.json"
             )
+
+    def check_model(self, model, adapter=None) -> None:
+        """Raise a one-line ValueError unless this keep set fits `model` (layer indices, counts, top-k, family)."""
+        from slimwise_train.moe.adapters import get_adapter
+
+        adapter = adapter or get_adapter(model)
+        self.check_family(model, adapter)
+        moes = adapter.moe_layers(model)
         model_layers = [m.layer_index for m in moes]
         mine = [lk.layer for lk in self.layers]
         if model_layers != mine:
@@ -165,31 +177,81 @@ class KeepSet:
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "KeepSet":
+    def from_dict(cls, data: dict, where: str = "keep set", require_model_type: bool = True) -> "KeepSet":
+        """Parse the JSON form. Every index must be a JSON integer (3.7 or true is an error, never read as 3 or 1),
+        and the keep set must name the model_type it was made for (unless `require_model_type` is False: reading a
+        run folder's own record, written before model_type was required). `where` starts every error message."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"not a keep set: expected format {FORMAT!r}, got {data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{where}: not a keep set: expected format {FORMAT!r}, got {got!r}")
+        model_type = data.get("model_type")
+        if model_type is not None and (not isinstance(model_type, str) or not model_type):
+            raise ValueError(f"{where}: model_type is {json.dumps(model_type)}, not a model_type name; prune again on "
+                             "this model (python -m slimwise_train.prune)")
+        if model_type is None and require_model_type:
+            raise ValueError(f"{where} records no model_type, so it cannot be checked against the model it is used on; "
+                             "prune again on this model (python -m slimwise_train.prune model=...) and pass that "
+                             "keep_set.json")
+        rows = data.get("layers")
+        if not isinstance(rows, list):
+            raise ValueError(f"{where}: 'layers' must be a list of {{layer, num_experts, top_k, kept}} entries, got "
+                             f"{type(rows).__name__}")
+        layers = []
+        for position, row in enumerate(rows):
+            if not isinstance(row, dict) or not {"layer", "num_experts", "top_k", "kept"} <= set(row):
+                raise ValueError(f"{where}: layers[{position}] is {json.dumps(row)[:80]}; each layer needs layer, "
+                                 "num_experts, top_k and kept")
+            name = f"layers[{position}]"
+            layer = _integer(row["layer"], f"{where}: {name} has layer")
+            name = f"layer {layer}"
+            num_experts = _integer(row["num_experts"], f"{where}: {name} has num_experts")
+            top_k = _integer(row["top_k"], f"{where}: {name} has top_k")
+            if not isinstance(row["kept"], list):
+                raise ValueError(f"{where}: {name} has kept {json.dumps(row['kept'])[:80]}, not a list of expert "
+                                 "indices; fix the file or prune again")
+            kept = tuple(_integer(j, f"{where}: {name} lists kept expert") for j in row["kept"])
+            layers.append(LayerKeep(layer, num_experts, top_k, kept))
+        meta = data.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise ValueError(f"{where}: meta is {json.dumps(meta)[:80]}, not a mapping; fix the file or prune again")
         try:
-            layers = tuple(
-                LayerKeep(int(x["layer"]), int(x["num_experts"]), int(x["top_k"]), tuple(int(j) for j in x["kept"]))
-                for x in data["layers"]
-            )
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed keep set: {exc!r}; each layer needs layer, num_experts, top_k and kept") from None
-        return cls(layers, model_type=data.get("model_type"), meta=data.get("meta") or {})
+            return cls(tuple(layers), model_type=model_type, meta=meta)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
     def save(self, path: str | os.PathLike) -> None:
         write_json_atomic(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "KeepSet":
+    def load(cls, path: str | os.PathLike, key: str | None = None, require_model_type: bool = True) -> "KeepSet":
+        """Read a keep_set.json. `key` (e.g. "prune.keep_set") names the config key in errors: `key=path: ...`."""
         path = Path(path)
+        where = f"{key}={path}" if key else f"keep set file {path}"
         if not path.is_file():
-            raise FileNotFoundError(f"keep set file {path} does not exist; write one with `python -m slimwise_train.prune`")
+            raise FileNotFoundError(f"{where} does not exist; write one with `python -m slimwise_train.prune`"
+                                    if key is None else f"{where}: no such file; write one with "
+                                    "`python -m slimwise_train.prune`")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
-            raise ValueError(f"keep set file {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+            raise ValueError(f"{where} is not valid JSON: {exc}") from None
+        return cls.from_dict(data, where, require_model_type=require_model_type)
+
+    def same_experts(self, other: "KeepSet") -> bool:
+        """The same kept experts per layer (and counts, top-k) for the same family; model_type is compared only when
+        both record one; meta is ignored."""
+        if self.layers != other.layers:
+            return False
+        if self.model_type is None or other.model_type is None:
+            return True
+        return _family_of(self.model_type) == _family_of(other.model_type)
+
+
+def _integer(value, what: str) -> int:
+    """A JSON integer; bool (a Python int subclass), float and str are refused: never read 3.7 as 3 or true as 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} {json.dumps(value)[:40]}, not an integer; fix the file or prune again")
+    return value
 
 
 def _family_of(model_type: str) -> str:
