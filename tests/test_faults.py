@@ -234,3 +234,64 @@ def test_every_output_folder_honours_the_umask(tmp_path):
         for path in root.rglob("*"):
             mode = stat.S_IMODE(path.stat().st_mode)
             assert mode == (dir_mode if path.is_dir() else file_mode), (str(path), oct(mode))
+
+
+# --------------------------------------------------------------------------- issue 24 item 10: checksums, full disk
+
+
+def test_an_emptied_checksums_file_does_not_verify_and_resume_falls_back(tmp_path, caplog):
+    trainer = trainer_for(tmp_path)  # checkpoints at steps 2 and 4
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    newest = tmp_path / "checkpoints" / "step_000004"
+    (newest / "checksums.json").write_text("{}")
+    with pytest.raises(CorruptCheckpoint, match="checksums.json does not cover"):
+        verify_checkpoint(newest)
+    (newest / "checksums.json").write_text("[]")
+    with pytest.raises(CorruptCheckpoint, match="not a mapping"):
+        verify_checkpoint(newest)
+    trainer = trainer_for(tmp_path, "distill.max_steps=6")
+    try:
+        with caplog.at_level("WARNING"):
+            trainer.setup()
+        assert trainer.step == 2, "resumed from the checkpoint that verifies"
+        assert "skipping checkpoint step_000004" in caplog.text
+    finally:
+        trainer.close()
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, monkeypatch, capsys):
+    from safetensors import SafetensorError
+
+    from slimwise_train.distill import checkpoint
+    from slimwise_train.utils.cli import user_errors
+
+    real_save = checkpoint.save_file
+    calls = []
+
+    def save_file(tensors, filename, *args, **kwargs):
+        calls.append(filename)
+        if len(calls) == 2:  # the second checkpoint meets a full disk, as safetensors reports it
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    trainer = trainer_for(tmp_path)
+    with pytest.raises(SystemExit) as exit_info, user_errors("slimwise_train"):
+        try:
+            trainer.setup()
+            trainer.train()
+        finally:
+            trainer.close()
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("slimwise_train: error:")]
+    assert len(lines) == 1, err[-3000:]
+    line = lines[0]
+    assert "writing checkpoint step_000004" in line and "No space left on device" in line and "resume=auto" in line
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # no .step_000004.tmp left behind
+    verify_checkpoint(root / "step_000002")

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import honour_umask
+from slimwise_train.utils.cli import MachineFault
 
 MARKER = "complete"
 CHECKSUMS = "checksums.json"
@@ -41,6 +42,10 @@ log = logging.getLogger("slimwise.train")
 
 
 class CorruptCheckpoint(ValueError):
+    pass
+
+
+class CheckpointWriteError(MachineFault):
     pass
 
 
@@ -70,6 +75,13 @@ def verify_checkpoint(path: Path) -> None:
         sums = json.loads((path / CHECKSUMS).read_text())
     except json.JSONDecodeError as exc:
         raise CorruptCheckpoint(f"{path}: {CHECKSUMS} is unreadable ({exc})") from None
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise CorruptCheckpoint(f"{path}: {CHECKSUMS} is not a mapping of file names to sha256 digests")
+    present = {str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name not in (CHECKSUMS, MARKER)}
+    unlisted = sorted(present - set(sums))
+    if unlisted:  # an emptied or edited checksums.json must not make a checkpoint "verify" by listing nothing
+        raise CorruptCheckpoint(f"{path}: {CHECKSUMS} does not cover {', '.join(unlisted[:3])}"
+                                f"{' and more' if len(unlisted) > 3 else ''}")
     for name, expected in sums.items():
         file = path / name
         if not file.is_file():
@@ -181,6 +193,25 @@ def save_checkpoint(root: Path, step: int, engine, trainer_state: dict, keep: in
             shutil.rmtree(tmp)
         tmp.mkdir()
     du.barrier()
+    try:
+        _write_checkpoint(root, final, tmp, step, engine, trainer_state, keep, before_rename)
+    except Exception as exc:
+        if not du.is_rank0():
+            raise
+        # A full disk (or any failed write) must not leave half a checkpoint behind: the published ones stay intact.
+        free = shutil.disk_usage(root).free if root.exists() else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointWriteError(
+            f"writing checkpoint {final.name} in {root} failed ({cause}; {free / 2**20:.0f} MiB free on that disk); "
+            "the earlier checkpoints are intact and the partial one was removed: free space (or set another "
+            "output_dir) and rerun with resume=auto to continue from the newest") from exc
+    du.barrier()
+    return final
+
+
+def _write_checkpoint(root: Path, final: Path, tmp: Path, step: int, engine, trainer_state: dict, keep: int,
+                      before_rename) -> None:
     trainable = engine.trainable_state_dict()  # collective under ZeRO-3
     engine.save(tmp)  # collective under DeepSpeed
     rng_states = gather_objects(rng_state())
@@ -204,8 +235,6 @@ def save_checkpoint(root: Path, step: int, engine, trainer_state: dict, keep: in
         else:
             os.replace(tmp, final)
         _prune(root, keep)
-    du.barrier()
-    return final
 
 
 def _fsync_tree(path: Path) -> None:

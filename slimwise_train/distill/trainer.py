@@ -625,35 +625,35 @@ class Trainer:
         history: list[dict] = []
         step_seconds: list[float] = []  # completed (not skipped) steps of this run
         window_fractions: list[float] = []
-        bar = tqdm(total=max_steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
-                   disable=not (cfg.progress and du.is_rank0()))
-        while self.step < max_steps:
-            metrics = self.train_step(self.step)
-            self.step += 1
-            if "loss" in metrics:  # before update(), which draws it: after it the bar shows the previous step's loss
-                bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
-            bar.update(1)
-            window_fractions += metrics.pop("_split_fractions", [])
-            if "step_seconds" in metrics:
-                step_seconds.append(metrics["step_seconds"])
-            history.append({"step": self.step, **{k: v for k, v in metrics.items() if k in ("loss", "kl", "ce")}})
-            if self.step % int(d.log_every) == 0 or self.step == max_steps or self.step == first_step + 1:
-                self.sink.log(self.step, metrics, {"split_fraction": window_fractions})
-                window_fractions = []
-                if "loss" in metrics:
-                    log.info("step %d/%d loss %.5f (ce %.4f kl %.5f) grad %.3g lr %.3g pad %.2f %.0f tok/s", self.step,
-                             max_steps, metrics["loss"], metrics["ce"], metrics["kl"], metrics["grad_norm"],
-                             metrics["lr"], metrics["student_pad_share"], metrics["cont_tokens_per_s"])
-            if self.step % int(d.eval_every) == 0 or self.step == max_steps:
-                self._log_eval()
-            if self.step % int(d.save_every) == 0 or self.step == max_steps:
-                kill_in_save = extra.get("kill_in_checkpoint_at_step")
-                hook = _kill_self if kill_in_save == self.step else None
-                save_checkpoint(self.checkpoint_root, self.step, self.engine, self._trainer_state(),
-                                int(d.keep_checkpoints), before_rename=hook if du.is_rank0() else None)
-            if extra.get("kill_after_step") == self.step:  # test hook: die like a preempted job
-                _kill_self()
-        bar.close()
+        # a context: an error mid-training ends the bar's line first, so the one error line stands on its own
+        with tqdm(total=max_steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
+                  disable=not (cfg.progress and du.is_rank0())) as bar:
+            while self.step < max_steps:
+                metrics = self.train_step(self.step)
+                self.step += 1
+                if "loss" in metrics:  # before update(), which draws it: after it the bar shows the previous step's loss
+                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+                bar.update(1)
+                window_fractions += metrics.pop("_split_fractions", [])
+                if "step_seconds" in metrics:
+                    step_seconds.append(metrics["step_seconds"])
+                history.append({"step": self.step, **{k: v for k, v in metrics.items() if k in ("loss", "kl", "ce")}})
+                if self.step % int(d.log_every) == 0 or self.step == max_steps or self.step == first_step + 1:
+                    self.sink.log(self.step, metrics, {"split_fraction": window_fractions})
+                    window_fractions = []
+                    if "loss" in metrics:
+                        log.info("step %d/%d loss %.5f (ce %.4f kl %.5f) grad %.3g lr %.3g pad %.2f %.0f tok/s", self.step,
+                                 max_steps, metrics["loss"], metrics["ce"], metrics["kl"], metrics["grad_norm"],
+                                 metrics["lr"], metrics["student_pad_share"], metrics["cont_tokens_per_s"])
+                if self.step % int(d.eval_every) == 0 or self.step == max_steps:
+                    self._log_eval()
+                if self.step % int(d.save_every) == 0 or self.step == max_steps:
+                    kill_in_save = extra.get("kill_in_checkpoint_at_step")
+                    hook = _kill_self if kill_in_save == self.step else None
+                    save_checkpoint(self.checkpoint_root, self.step, self.engine, self._trainer_state(),
+                                    int(d.keep_checkpoints), before_rename=hook if du.is_rank0() else None)
+                if extra.get("kill_after_step") == self.step:  # test hook: die like a preempted job
+                    _kill_self()
         train_seconds = time.perf_counter() - t_train
         return self._finish(history, train_seconds, first_step, step_seconds)
 

@@ -4,6 +4,7 @@ the run creates anything (`hydra_app`), and a logged thread count."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -13,6 +14,18 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+
+
+class MachineFault(RuntimeError):
+    """A failure of the machine, not of the input (a disk that filled up mid-write): one line, exit 1, after the
+    code that raised it has removed what it was writing."""
+
+
+def _disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    # safetensors' Rust writer reports ENOSPC as SafetensorError('... No space left on device (os error 28)')
+    return type(exc).__name__ == "SafetensorError" and "os error 28" in str(exc)
 
 
 def _report_to_torchrun(line: str) -> None:
@@ -29,7 +42,8 @@ def _report_to_torchrun(line: str) -> None:
 
 @contextlib.contextmanager
 def user_errors(prog: str) -> Iterator[None]:
-    """Turn a user error into `<prog>: error: <message>` on stderr and exit code 2 (no traceback).
+    """Turn a user error into `<prog>: error: <message>` on stderr and exit code 2 (no traceback); a MachineFault or
+    a full disk into one such line and exit code 1.
 
     Under torchrun only rank 0 prints it (every rank hits the same bad input); the others exit quietly with the
     same code."""
@@ -37,11 +51,21 @@ def user_errors(prog: str) -> Iterator[None]:
         yield
     except USER_ERRORS as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        line = f"{prog}: error: {message}"
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(line, file=sys.stderr)
-        _report_to_torchrun(line)  # also from other ranks: an error only rank 1 hits still reaches the user
-        raise SystemExit(2) from None
+        _exit_with(f"{prog}: error: {message}", 2)
+    except Exception as exc:
+        if isinstance(exc, MachineFault):
+            _exit_with(f"{prog}: error: {exc}", 1)
+        if _disk_full(exc):
+            _exit_with(f"{prog}: error: no space left on the device ({str(exc).splitlines()[0]}); free space or choose "
+                       "another output folder (files being written were not published)", 1)
+        raise
+
+
+def _exit_with(line: str, code: int) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(line, file=sys.stderr)
+    _report_to_torchrun(line)  # also from other ranks: an error only rank 1 hits still reaches the user
+    raise SystemExit(code) from None
 
 
 # --------------------------------------------------------------------------- Hydra entry points
