@@ -4,7 +4,8 @@ Every step is the command a user would run; outputs land in outputs/demo/ and th
 outputs/demo/report.md:
   1. score experts with REAP and prune 50%      python -m slimwise_train.prune
   2. distill the pruned decoder (2 ranks, ZeRO-2) torchrun --nproc_per_node 2 -m slimwise_train engine=zero2
-  3. evaluate full / conventional / SlimWise / reverse / SlimWise+distill   python -m slimwise_train.eval
+  3. evaluate full / conventional / SlimWise / reverse / conventional+distill / SlimWise+distill
+                                                  python -m slimwise_train.eval
   4. decode-step speedup of the keep set at batch 64        python -m slimwise_train.bench decode
   5. serve in llama.cpp: the teacher, pruned and distilled decoders converted (python -m slimwise_train.serve gguf),
      the full prefill handed to each decoder for 4 problems per family (compared with the eval app's outputs), and
@@ -32,9 +33,11 @@ TEACHER = os.environ.get("DEMO_TEACHER")  # another teacher folder (default: the
 MODEL = ["model=teacher"] + ([f"model.path={TEACHER}"] if TEACHER else [])
 BENCH = os.environ.get("DEMO_BENCH", "1") != "0"
 BATCH = 64
-# mode -> (prefill pool, decode pool): which pool's decode step the mode pays for
+# mode -> (prefill pool, decode pool): which pool's decode step the mode pays for. The eval step runs these modes
+# (conventional_distill = prune + distill, the student alone: the baseline that slimwise_distill must beat).
 POOLS = {"full": ("full", "full"), "conventional": ("pruned", "pruned"), "slimwise": ("full", "pruned"),
-         "reverse": ("pruned", "full"), "slimwise_distill": ("full", "student")}
+         "reverse": ("pruned", "full"), "conventional_distill": ("student", "student"),
+         "slimwise_distill": ("full", "student")}
 
 
 def run(name: str, cmd: list[str], timings: dict) -> None:
@@ -174,7 +177,8 @@ def mode_table(eval_dir: Path, speedup: float, source: str, student_dir: Path) -
         lines.append(f"| {mode} | {prefill_pool} | {decode_pool} | {speed:.2f}x{mark} | {row['accuracy']:.3f} | "
                      f"{row['median_length']:g} / {row['p90_length']:g} | {row['hit_budget']:.3f} |")
     return lines + ["", f"Decode-step speedup: {source}. Prefill runs the full pool in full, slimwise and "
-                        "slimwise_distill, so their time to first token is the full model's."]
+                        "slimwise_distill, so their time to first token is the full model's; conventional_distill "
+                        "(prune + distill) serves the student alone, for prefill too."]
 
 
 def main() -> int:
@@ -192,7 +196,8 @@ def main() -> int:
                     "-m", "slimwise_train", "experiment=demo", *MODEL[1:], f"prune.keep_set={keep_set}",
                     f"distill.max_steps={STEPS}", f"hydra.run.dir={train_dir}"], timings)
     run("eval", [sys.executable, "-m", "slimwise_train.eval", *MODEL, f"eval.keep_sets=[{keep_set}]",
-                 f"eval.student={train_dir}", f"eval.num_per_family={EVAL_N}", "eval.save_generations=true",
+                 f"eval.student={train_dir}", f"eval.modes=[{','.join(POOLS)}]", f"eval.num_per_family={EVAL_N}",
+                 "eval.save_generations=true",
                  f"hydra.run.dir={eval_dir}"],
         timings)
     teacher_dir = Path(TEACHER) if TEACHER else REPO / "slimwise_train" / "assets" / "teacher"

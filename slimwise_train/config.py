@@ -221,9 +221,11 @@ class TrainAppConfig:
 class EvalConfig:
     keep_sets: List[str] = field(default_factory=list)  # keep_set.json paths; empty: only the full model runs
     # full | conventional (pruned prefill+decode) | slimwise (full prefill, pruned decode) | reverse (pruned prefill,
-    # full decode) | slimwise_distill (full prefill, distilled student decode; needs `student`)
-    modes: List[str] = field(default_factory=lambda: ["full", "conventional", "slimwise", "reverse", "slimwise_distill"])
-    student: Optional[str] = None  # exported student checkpoint folder (from_pretrained) for slimwise_distill
+    # full decode) | conventional_distill (the distilled student prefills and decodes: prune + distill) |
+    # slimwise_distill (full prefill, distilled student decode); the two *_distill modes need `student`
+    modes: List[str] = field(default_factory=lambda: ["full", "conventional", "slimwise", "reverse",
+                                                      "conventional_distill", "slimwise_distill"])
+    student: Optional[str] = None  # exported student checkpoint folder (from_pretrained) for the *_distill modes
     families: List[str] = field(default_factory=lambda: ["math", "code", "tool"])
     num_per_family: int = 200  # held-out problems per family
     seed: Optional[int] = None  # held-out stream seed; null: the recipe's eval seed (the split training excludes)

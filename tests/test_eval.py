@@ -255,10 +255,10 @@ def test_outputs_report_plots_and_json_schema(setup):
     for key in ("format", "model", "families", "num_problems", "budget", "budget_rule", "modes", "keep_sets", "rows",
                 "runs", "problems", "notes", "metric_definitions", "elapsed_s"):
         assert key in data, key
-    assert data["modes"] == ["full", "conventional", "slimwise", "reverse", "slimwise_distill"]
+    assert data["modes"] == ["full", "conventional", "slimwise", "reverse", "conventional_distill", "slimwise_distill"]
     assert data["budget"] == {f: BUDGET for f in synthetic.FAMILIES}
     assert data["keep_sets"]["r0.5"]["num_kept"] == [4, 4]
-    assert len(data["rows"]) == 5 * 4
+    assert len(data["rows"]) == 6 * 4
     assert set(data["rows"][0]) == {"keep_set", "mode", "family", "n", "accuracy", "median_length", "p90_length",
                                     "max_length", "mean_length", "hit_budget", "collapse",
                                     "first_token_agreement_with_full", "exact_match_with_full"}
@@ -367,3 +367,190 @@ def test_cli_error_is_one_line_with_exit_code_2(tmp_path):
     assert len(lines) == 1 and "missing.json does not exist" in lines[0]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "results.json").exists()
+
+
+# ------------------------------------------------------------------------------------ conventional_distill (issue 23)
+def _perturbed_student(root, model, keep):
+    """A distilled stand-in that is not the pruned model: the pruned checkpoint with its attention projections
+    perturbed (as merged attention LoRA would), so the cache it writes for a prompt is not the full model's."""
+    from transformers import AutoModelForCausalLM
+
+    path = root / "student_perturbed"
+    if not path.exists():
+        export_pruned(model, keep, root / "student_perturbed_tmp")
+        student = AutoModelForCausalLM.from_pretrained(root / "student_perturbed_tmp")
+        g = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for name, param in student.named_parameters():
+                if any(k in name for k in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                    param.add_(torch.randn(param.shape, generator=g) * param.std() * 0.5)
+        student.save_pretrained(path)
+        (path / "slimwise_keep_set.json").write_text((root / "student_perturbed_tmp" / "slimwise_keep_set.json")
+                                                     .read_text())
+    return path
+
+
+def _student_alone_greedy(student, prompt, budget, eos):
+    """Prune + distill served by hand: one forward of the student over the prompt (argmax = first token), then one
+    token at a time on the student's own KV cache; batch size 1, no padding, stops at EOS or the budget."""
+    with torch.no_grad():
+        out = student(input_ids=torch.tensor([prompt]), use_cache=True)
+        cache, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+        while tokens[-1] not in eos and len(tokens) < budget:
+            out = student(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def distill_modes(setup):
+    from slimwise_train.eval.generation import MODES, evaluate, load_student
+
+    model, tokenizer, keep, root = setup["model"], setup["tokenizer"], setup["keep"], setup["root"]
+    problems = build_problems(tokenizer, list(synthetic.FAMILIES), PER_FAMILY)
+    student = load_student(_perturbed_student(root, model, keep), model)
+    results = evaluate(model, tokenizer, {"r0.5": keep}, list(MODES), problems, BUDGET, 3, student=student)
+    return {"problems": problems, "student": student, "results": results}
+
+
+def test_conventional_distill_equals_the_student_alone_by_hand(setup, distill_modes):
+    from slimwise_train.eval.generation import eos_ids
+
+    model, tokenizer, results = setup["model"], setup["tokenizer"], distill_modes["results"]
+    student, student_keep = distill_modes["student"]
+    assert student_keep == setup["keep"]
+    eos = eos_ids(model, tokenizer)
+    reference = [_student_alone_greedy(student, p.prompt_ids, BUDGET, eos) for p in distill_modes["problems"]]
+    assert 0 < sum(t[-1] in eos for t in reference) < len(reference)  # some stop, some hit the budget
+    run = _run(results, "conventional_distill")
+    # The app left-pads batches of 3, the reference runs one unpadded prompt: the same tokens (as for the other
+    # modes in test_app_numbers_equal_a_plain_per_example_loop) on this fp32 tiny model.
+    assert run["length"] == [len(t) for t in reference]
+    assert run["ended"] == [t[-1] in eos for t in reference]
+    assert run["first_token"] == [t[0] for t in reference]
+    assert run["text"] == [tokenizer.decode(t[:-1] if t[-1] in eos else t) for t in reference]
+    # the student's own prefill: its first tokens are not always the full model's, unlike slimwise_distill's
+    rows = {(r["mode"], r["family"]): r for r in results["rows"]}
+    assert rows[("slimwise_distill", "all")]["first_token_agreement_with_full"] == 1.0
+    assert rows[("conventional_distill", "all")]["first_token_agreement_with_full"] < 1.0
+
+
+def test_conventional_distill_differs_from_slimwise_distill_where_the_prefill_matters(distill_modes):
+    results = distill_modes["results"]
+    conv, slim = _run(results, "conventional_distill"), _run(results, "slimwise_distill")
+    different = [i for i, (a, b) in enumerate(zip(conv["text"], slim["text"])) if a != b]
+    assert different, "the student decoding on its own cache gave the same outputs as on the full model's"
+    # the same decoder after the first token: where the first tokens differ, the prefill is what differs
+    assert any(conv["first_token"][i] != slim["first_token"][i] for i in different)
+    # and it is not merely the undistilled conventional mode
+    assert conv["text"] != _run(results, "conventional")["text"]
+
+
+def test_conventional_distill_never_runs_the_full_model_beyond_the_first_token_reference(setup, distill_modes,
+                                                                                         monkeypatch):
+    import slimwise_train.eval.generation as generation
+
+    model, tokenizer, keep = setup["model"], setup["tokenizer"], setup["keep"]
+    student = distill_modes["student"]
+    calls = []
+    real = generation.generate_all
+
+    def spy(prefill_model, decode_model, *args, **kwargs):
+        calls.append((prefill_model, decode_model))
+        return real(prefill_model, decode_model, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "generate_all", spy)
+    forwards = {"model": 0, "student": 0}
+    handles = [m.register_forward_pre_hook(lambda *_, k=k: forwards.__setitem__(k, forwards[k] + 1))
+               for k, m in (("model", model), ("student", student[0]))]
+    try:
+        problems = distill_modes["problems"]
+        # two keep sets, a student without a keep set file: the student-only run is made once and reused
+        results = generation.evaluate(model, tokenizer, {"a": keep, "b": keep}, ["conventional_distill"], problems,
+                                      BUDGET, 3, student=(student[0], None))
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [(student[0], student[0])]
+    assert forwards["model"] == len(plan_batches(problems, 3))  # only `first_tokens` (first-token agreement)
+    assert forwards["student"] > len(plan_batches(problems, 3))  # prefill and every decode step
+    runs = [r for r in results["runs"] if r["mode"] == "conventional_distill"]
+    assert [r["keep_set"] for r in runs] == ["a", "b"] and runs[0]["length"] == runs[1]["length"]
+    assert runs[0]["length"] == _run(distill_modes["results"], "conventional_distill")["length"]
+
+
+def test_conventional_distill_with_a_pruned_checkpoint_equals_conventional(setup):
+    from slimwise_train.eval.generation import evaluate, load_student
+
+    model, tokenizer, keep = setup["model"], setup["tokenizer"], setup["keep"]
+    problems = build_problems(tokenizer, list(synthetic.FAMILIES), PER_FAMILY)
+    student = load_student(setup["root"] / "student", model)  # physically pruned, nothing distilled
+    results = evaluate(model, tokenizer, {"r0.5": keep}, ["conventional", "conventional_distill"], problems, BUDGET,
+                       3, student=student)
+    conv, alone = _run(results, "conventional"), _run(results, "conventional_distill")
+    for key in ("length", "ended", "correct", "first_token", "text"):
+        assert conv[key] == alone[key], key
+
+
+def test_conventional_distill_needs_a_student_and_is_reported(setup, distill_modes, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from slimwise_train.eval.generation import (MODE_DESCRIPTIONS, MODES, check_modes_run, evaluate,
+                                                missing_for_modes)
+    from slimwise_train.eval.report import plot_lengths, render_markdown
+
+    assert missing_for_modes(["conventional_distill"], False, False) == {
+        "conventional_distill": ("eval.keep_sets", "eval.student")}
+    assert missing_for_modes(list(MODES), True, False) == {"conventional_distill": ("eval.student",),
+                                                           "slimwise_distill": ("eval.student",)}
+    with pytest.raises(ValueError, match=r"^eval.modes=\[conventional_distill\] evaluates nothing: "
+                                         r"conventional_distill needs eval.student; set eval.student="):
+        check_modes_run(["conventional_distill"], has_keep_sets=True, has_student=False)
+    # beside a mode that can run it is skipped with a note
+    model, tokenizer = setup["model"], setup["tokenizer"]
+    problems = build_problems(tokenizer, ["code"], 1)
+    skipped = evaluate(model, tokenizer, {"r0.5": setup["keep"]}, ["conventional", "conventional_distill"], problems,
+                       4, 3)
+    assert skipped["modes"] == ["conventional"]
+    assert any("conventional_distill skipped: no student" in n for n in skipped["notes"])
+    # report: one row per mode in eval.modes order, with its description; six distinct lines in the plot
+    results = distill_modes["results"]
+    assert results["modes"] == list(MODES)
+    report = render_markdown(results)
+    table = [line.split(" | ")[0][2:] for line in report.splitlines() if line.startswith("| ")][1:]
+    assert table == list(MODES)
+    assert f"**conventional_distill** = {MODE_DESCRIPTIONS['conventional_distill']}" in report
+    captured = {}
+    original_close = plt.close
+    plt.close = lambda fig: captured.setdefault("fig", fig)
+    try:
+        plot_lengths(results, "r0.5", tmp_path / "cdf.png")
+    finally:
+        plt.close = original_close
+    for ax in captured["fig"].axes:
+        lines = [line for line in ax.get_lines() if line.get_label() in MODES]
+        assert len(lines) == len(MODES)
+        assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == len(MODES)
+    original_close(captured["fig"])
+
+
+def test_demo_table_has_the_conventional_distill_row(distill_modes, tmp_path):
+    import importlib.util
+
+    from slimwise_train.eval.generation import MODES
+
+    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert list(demo.POOLS) == list(MODES)  # the demo's eval step runs eval.modes=[every mode]
+    results = {k: v for k, v in distill_modes["results"].items() if k != "runs"}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    lines = demo.mode_table(tmp_path, 1.5, "a test", tmp_path / "no_export")
+    modes = [line.split(" | ")[0][2:] for line in lines if line.startswith("| ")][1:]
+    assert modes == list(MODES)
+    row = next(line for line in lines if line.startswith("| conventional_distill |"))
+    assert row.startswith("| conventional_distill | student | student | 1.50x (")

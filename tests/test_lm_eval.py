@@ -509,3 +509,91 @@ def test_the_stock_lm_eval_models_stay_available_beside_slimwise():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["HFLM", "SlimwiseLM"]
+
+
+# ------------------------------------------------------------------------------------ conventional_distilled (issue 23)
+def _conventional_distilled(assets, mode="conventional_distilled", **kwargs):
+    from slimwise_train.lm_eval.model import SlimwiseLM
+
+    return SlimwiseLM(pretrained=str(TEACHER), mode=mode, keep_set=assets["keep"], student=assets["student"],
+                      device="cpu", progress=False, **kwargs)
+
+
+def test_conventional_distilled_generations_equal_the_eval_apps_conventional_distill(assets):
+    from slimwise_train.data import synthetic
+    from slimwise_train.eval.generation import evaluate, load_student
+
+    lm = _conventional_distilled(assets, mode="conventional_distill", batch_size=2)  # the eval app's name
+    assert lm.mode == "conventional_distilled" and lm.prefiller is lm.student and lm.decoder is lm.student
+    full = _lm(assets, "full")  # the eval app wants the full model without masking
+    problems = build_problems(full.tokenizer, list(FAMILIES), 2)
+    budget = 24
+    app = evaluate(full.model, full.tokenizer, {"keep": KeepSet.load(assets["keep"])}, ["conventional_distill"],
+                   problems, budget, 2, student=load_student(assets["student"], full.model))
+    (run,) = app["runs"]
+    # one batch of two per family on both sides (same padding): the same tokens
+    requests = [_Request((p.prompt + synthetic.SEP, {"until": [], "max_gen_toks": budget}),
+                         task_name=f"slimwise_{p.family}", doc_id=i) for i, p in enumerate(problems)]
+    texts = lm.generate_until(requests)
+    assert [str(t) for t in texts] == run["text"]
+    assert [t.num_tokens for t in texts] == run["length"]
+    assert [t.ended for t in texts] == run["ended"]
+    records = sorted(lm.records, key=lambda r: r["doc_id"])
+    assert [r["first_token"] for r in records] == run["first_token"]
+    assert [r["first_token_agrees"] for r in records] == run["first_token_agrees"]
+    # not the distilled mode under another name: the student's own prefill changes outputs
+    distilled = _lm(assets, "distilled", batch_size=2)
+    assert [str(t) for t in distilled.generate_until(requests)] != run["text"]
+    distilled.masking.remove()
+    assert lm.describe()["mode_description"].startswith("distilled student prefill")
+    lm.masking.remove()
+
+
+def test_conventional_distilled_loglikelihood_is_the_student_alone(assets):
+    from slimwise_train.data import synthetic
+
+    lm = _conventional_distilled(assets, batch_size=3)
+    pairs = []
+    for family in FAMILIES:
+        prompt, answer = synthetic.to_text(synthetic.heldout(family, 1, 3)[0])
+        cut = max(1, len(answer) // 3)
+        pairs.append((prompt + answer[:cut], answer[cut:] or "x"))
+    scores = lm.loglikelihood([_Request(pair) for pair in pairs])
+    distilled = _lm(assets, "distilled", batch_size=3).loglikelihood([_Request(pair) for pair in pairs])
+    for (context, continuation), (logprob, greedy), (other, _) in zip(pairs, scores, distilled):
+        context_ids, continuation_ids = lm._encode_pair(context, continuation)
+        # by hand: one forward of the student over context + continuation, no cache, no full model
+        with torch.no_grad():
+            logits = lm.student(input_ids=torch.tensor([context_ids + continuation_ids[:-1]])).logits[0].double()
+        dist = torch.log_softmax(logits[len(context_ids) - 1:], -1)
+        target = torch.tensor(continuation_ids)
+        assert logprob == pytest.approx(float(dist.gather(-1, target[:, None]).sum()), abs=2e-4, rel=1e-5)
+        assert greedy == bool((dist.argmax(-1) == target).all())
+    assert any(abs(a[0] - b[0]) > 1e-3 for a, b in zip(scores, distilled))  # the prefill model matters
+    lm.masking.remove()
+
+
+def test_unknown_mode_lists_conventional_distilled_and_it_needs_a_student(assets):
+    from slimwise_train.lm_eval.model import MODE_ALIASES, MODES, SlimwiseLM
+
+    assert "conventional_distilled" in MODES and MODE_ALIASES["conventional_distill"] == "conventional_distilled"
+    with pytest.raises(ValueError) as info:
+        SlimwiseLM(pretrained=str(TEACHER), mode="sideways", progress=False)
+    assert "'conventional_distilled'" in str(info.value) and "'distilled'" in str(info.value)
+    with pytest.raises(ValueError, match="mode=conventional_distilled needs student=<folder>"):
+        SlimwiseLM(pretrained=str(TEACHER), mode="conventional_distilled", keep_set=assets["keep"], progress=False)
+    with pytest.raises(ValueError, match="mode=conventional_distilled needs keep_set"):
+        SlimwiseLM(pretrained=str(TEACHER), mode="conventional_distilled", student=assets["student"], progress=False)
+    with pytest.raises(ValueError, match="only read by mode=conventional_distilled or mode=distilled, not "
+                                         "mode=slimwise"):
+        SlimwiseLM(pretrained=str(TEACHER), mode="slimwise", keep_set=assets["keep"], student=assets["student"],
+                   progress=False)
+
+
+def test_lengths_report_orders_conventional_distilled_before_distilled():
+    from slimwise_train.lm_eval.lengths import combined_results
+
+    records = [{"task": "t", "doc_id": 0, "idx": 0, "num_tokens": 3, "budget": 8}]
+    runs = [({"run": m, "mode": m, "model": "m", "mode_description": m, "tasks": {}, "written_at": k}, records)
+            for k, m in enumerate(["distilled", "conventional_distilled", "full"])]
+    assert [r["mode"] for r in combined_results(runs)["runs"]] == ["full", "conventional_distilled", "distilled"]

@@ -1,5 +1,5 @@
 """`python -m slimwise_train.eval`: greedy accuracy and output lengths on the held-out synthetic suite under
-the full, conventional, slimwise, reverse and slimwise_distill modes of one or more keep sets.
+the full, conventional, slimwise, reverse, conventional_distill and slimwise_distill modes of one or more keep sets.
 
     python -m slimwise_train.eval model=tiny_qwen3_moe \\
         eval.keep_sets=[outputs/prune/tiny_qwen3_moe/reap-r0.5/keep_set.json]
@@ -47,7 +47,7 @@ def keep_set_name(path: str | Path, taken: set[str]) -> str:
 
 
 def validate_eval_config(cfg) -> None:
-    from slimwise_train.eval.generation import check_modes_run, check_student_path
+    from slimwise_train.eval.generation import STUDENT_MODES, check_modes_run, check_student_path
 
     check_known_keys(cfg, EvalAppConfig)
     check_writable(Path(cfg.output_dir), create=False)
@@ -72,7 +72,7 @@ def validate_eval_config(cfg) -> None:
                              f"answer), got {bad if '*' not in bad else ev.budget}")
     if cfg.logger.name not in LOGGERS:
         raise ValueError(f"unknown logger {cfg.logger.name!r}; use one of {list(LOGGERS)}")
-    if ev.student and "slimwise_distill" in ev.modes:
+    if ev.student and any(mode in STUDENT_MODES for mode in ev.modes):
         check_student_path(ev.student)
 
 
@@ -118,7 +118,7 @@ def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
 
 def run_eval(cfg) -> dict:
     """The whole eval job; returns the results dict. Importable for tests and notebooks."""
-    from slimwise_train.eval.generation import build_problems, evaluate, load_student
+    from slimwise_train.eval.generation import STUDENT_MODES, build_problems, evaluate, load_student
     from slimwise_train.eval.report import plot_lengths, render_markdown
     from slimwise_train.models import load_model, model_identity
     from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
@@ -133,7 +133,7 @@ def run_eval(cfg) -> dict:
         except ValueError as exc:
             raise ValueError(f"eval.keep_sets: {keep_paths[name]}: {exc}") from None
     student = None
-    if cfg.eval.student and "slimwise_distill" in cfg.eval.modes and keep_sets:
+    if cfg.eval.student and any(mode in STUDENT_MODES for mode in cfg.eval.modes) and keep_sets:
         student = load_student(cfg.eval.student, model)
     problems = build_problems(tokenizer, list(cfg.eval.families), cfg.eval.num_per_family, cfg.eval.seed,
                               cfg.eval.recipe)

@@ -1,18 +1,19 @@
-"""Problems and batched greedy generation of the synthetic suite under the five serving modes of a keep set.
+"""Problems and batched greedy generation of the synthetic suite under the six serving modes of a keep set.
 
 Modes (prefill pool -> decode pool, over one KV cache):
 
-    full              full    -> full
-    conventional      pruned  -> pruned    (router-masked in both phases == a physically pruned model)
-    slimwise          full    -> pruned    (the first answer token comes from the full model)
-    reverse           pruned  -> full
-    slimwise_distill  full    -> student   (a distilled decode checkpoint, see `load_student`)
+    full                  full     -> full
+    conventional          pruned   -> pruned    (router-masked in both phases == a physically pruned model)
+    slimwise              full     -> pruned    (the first answer token comes from the full model)
+    reverse               pruned   -> full
+    conventional_distill  student  -> student   (prune + distill: the distilled checkpoint served alone, no full model)
+    slimwise_distill      full     -> student   (a distilled decode checkpoint, see `load_student`)
 
 One model carries `PhaseMasking` for the keep set being evaluated; each mode is a pair of masking phases for
-`handoff_generate`. Problems are grouped by family (each family has its own token budget), sorted by prompt
-length to limit padding, left-padded into batches, and put back in order afterwards. `evaluate` scores the runs
-with `slimwise_train.eval.metrics` (the metric definitions) and returns the results dict that
-`slimwise_train.eval.report` renders.
+`handoff_generate` and a pair of models (`MODE_MODELS`: the masked full model or the student). Problems are
+grouped by family (each family has its own token budget), sorted by prompt length to limit padding, left-padded
+into batches, and put back in order afterwards. `evaluate` scores the runs with `slimwise_train.eval.metrics` (the
+metric definitions) and returns the results dict that `slimwise_train.eval.report` renders.
 """
 
 from __future__ import annotations
@@ -34,36 +35,44 @@ from slimwise_train.moe.masking import PhaseMasking, get_masking
 log = logging.getLogger("slimwise.eval")
 
 FORMAT = "slimwise-eval/1"
-MODES = ("full", "conventional", "slimwise", "reverse", "slimwise_distill")
-# mode -> (prefill phase, decode phase) of the masked model; slimwise_distill decodes with the student instead.
+MODES = ("full", "conventional", "slimwise", "reverse", "conventional_distill", "slimwise_distill")
+# mode -> (prefill phase, decode phase) of the masked model (a plain model such as the student ignores phases).
 MODE_PHASES = {
     "full": ("prefill", "prefill"),
     "conventional": ("decode", "decode"),
     "slimwise": ("prefill", "decode"),
     "reverse": ("decode", "prefill"),
+    "conventional_distill": ("decode", "decode"),
     "slimwise_distill": ("prefill", "decode"),
 }
+# mode -> (prefill model, decode model): "model" = the full model (masked per keep set), "student" = eval.student.
+# conventional_distill is the student alone, as a user serving the distilled checkpoint runs it (it is physically
+# pruned, so no masking is involved): prefill and decode on its own KV cache.
+MODE_MODELS = {mode: ("model", "model") for mode in MODES}
+MODE_MODELS.update({"conventional_distill": ("student", "student"), "slimwise_distill": ("model", "student")})
 MODE_DESCRIPTIONS = {
     "full": "full prefill, full decode",
     "conventional": "pruned prefill, pruned decode",
     "slimwise": "full prefill, pruned decode",
     "reverse": "pruned prefill, full decode",
+    "conventional_distill": "distilled student prefill, distilled student decode (prune + distill, no full model)",
     "slimwise_distill": "full prefill, distilled student decode",
 }
 
 
 KEEP_SET_MODES = tuple(m for m in MODES if m != "full")  # every mode but full masks with a keep set
+STUDENT_MODES = tuple(m for m in MODES if "student" in MODE_MODELS[m])  # the modes that run eval.student
 MODE_FIXES = {"eval.keep_sets": "eval.keep_sets=[<keep_set.json>]",
               "eval.student": "eval.student=<exported student folder>"}
 
 
 def missing_for_modes(modes: Sequence[str], has_keep_sets: bool, has_student: bool) -> dict[str, tuple[str, ...]]:
     """{mode: the config keys it lacks} for the modes of `modes` that cannot run: every mode but full needs a keep
-    set (eval.keep_sets), slimwise_distill also a student (eval.student)."""
+    set (eval.keep_sets), slimwise_distill and conventional_distill also a student (eval.student)."""
     out = {}
     for mode in dict.fromkeys(modes):
         keys = (("eval.keep_sets",) if mode in KEEP_SET_MODES and not has_keep_sets else ()) + \
-               (("eval.student",) if mode == "slimwise_distill" and not has_student else ())
+               (("eval.student",) if mode in STUDENT_MODES and not has_student else ())
         if keys:
             out[mode] = keys
     return out
@@ -262,14 +271,15 @@ def check_student_path(path: str | Path) -> Path:
 
 
 def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, KeepSet | None]:
-    """(student decode model, the keep set it was pruned with or None) from an exported checkpoint folder.
+    """(student model, the keep set it was pruned with or None) from an exported checkpoint folder: the decoder of
+    slimwise_distill and the whole model of conventional_distill (as loaded: physically pruned, no masking).
 
     The one place that knows the student export format: a `from_pretrained` folder, optionally with
     `slimwise_keep_set.json` (as `pruning.export_pruned` and `distill.export.export_student` write). The default
     students are the stock class (the family's own shared slot widened, or LoRA merged into the kept experts); one
     with a new shared expert (distill.shared_expert_mode=new) is the registered `slimwise_<model_type>`
     architecture, so `slimwise_train.distill.export` is imported first. It must share the full model's vocabulary and
-    layers (attention is never pruned), since it decodes over the full model's cache.
+    layers (attention is never pruned), since slimwise_distill decodes it over the full model's cache.
     """
     from transformers import AutoModelForCausalLM
 
@@ -353,7 +363,8 @@ def evaluate(
     correct, first tokens, output `text`), plus budgets, keep set info and notes.
 
     `model` is the full model (no masking installed); `keep_sets` maps a name to a keep set (a sequence gets names
-    ks0, ks1, ...). `student` is `load_student`'s pair for slimwise_distill. Modes that cannot run (no keep set, no
+    ks0, ks1, ...). `student` is `load_student`'s pair for slimwise_distill (the full model prefills, the student
+    decodes) and conventional_distill (the student alone prefills and decodes). Modes that cannot run (no keep set, no
     student) are skipped with a note in `results["notes"]`; none that can run is an error (`check_modes_run`).
     """
     from tqdm.auto import tqdm
@@ -381,16 +392,18 @@ def evaluate(
     pruned_modes = [m for m in modes if m != "full"]
     if not keep_sets and pruned_modes:
         note(f"no keep sets given: only the full model runs (skipped {', '.join(pruned_modes)})")
-    # which keep sets run slimwise_distill
+    # which keep sets run the student's modes (slimwise_distill, conventional_distill)
+    student_modes = [m for m in modes if m in STUDENT_MODES]
     distill_under: list[str] = []
-    if "slimwise_distill" in modes and keep_sets:
+    if student_modes and keep_sets:
         if student is None:
-            note("slimwise_distill skipped: no student checkpoint (set eval.student=<folder>)")
+            note(f"{', '.join(student_modes)} skipped: no student checkpoint (set eval.student=<folder>)")
         else:
             student_keep = student[1]
             if student_keep is None:
                 distill_under = list(keep_sets)
-                note("the student carries no slimwise_keep_set.json; slimwise_distill ran under every keep set")
+                note(f"the student carries no slimwise_keep_set.json; {', '.join(student_modes)} ran under every "
+                     "keep set")
             else:
                 distill_under = [n for n, k in keep_sets.items() if k == student_keep]
                 if not distill_under:
@@ -398,13 +411,14 @@ def evaluate(
                         f"eval.student was pruned with a keep set (kept per layer {list(student_keep.num_kept)}) that "
                         "is none of eval.keep_sets; add its keep set to eval.keep_sets"
                     )
-    elif student is not None and "slimwise_distill" not in modes:
-        note("eval.student is set but slimwise_distill is not in eval.modes; the student was not evaluated")
+    elif student is not None and not student_modes:
+        note(f"eval.student is set but none of {', '.join(STUDENT_MODES)} is in eval.modes; the student was not "
+             "evaluated")
 
     runs_plan: list[tuple[str | None, str]] = [(None, "full")] if "full" in modes else []
     for name in keep_sets:
         for mode in pruned_modes:
-            if mode == "slimwise_distill" and name not in distill_under:
+            if mode in STUDENT_MODES and name not in distill_under:
                 continue
             runs_plan.append((name, mode))
     batches_per_pass = len(plan_batches(problems, batch_size))
@@ -424,6 +438,8 @@ def evaluate(
     if full_gens is not None:
         runs.append({"keep_set": None, "mode": "full", "generations": full_gens})
 
+    # A mode that never touches the masked model (the student alone) gives the same outputs under every keep set.
+    unmasked: dict[str, list[Generation]] = {}
     for name, keep in keep_sets.items():
         masking = PhaseMasking(model, keep)
         try:
@@ -432,9 +448,15 @@ def evaluate(
                     continue
                 bar.set_description(f"eval {name} {mode}")
                 prefill_phase, decode_phase = MODE_PHASES[mode]
-                decoder = student[0] if mode == "slimwise_distill" else model
-                gens = generate_all(model, decoder, problems, budgets, batch_size, pad_id, eos, prefill_phase,
-                                    decode_phase, on_batch=lambda: bar.update(1))
+                prefiller, decoder = (student[0] if role == "student" else model for role in MODE_MODELS[mode])
+                if "model" not in MODE_MODELS[mode] and mode in unmasked:
+                    gens = unmasked[mode]
+                    bar.update(batches_per_pass)
+                else:
+                    gens = generate_all(prefiller, decoder, problems, budgets, batch_size, pad_id, eos, prefill_phase,
+                                        decode_phase, on_batch=lambda: bar.update(1))
+                if "model" not in MODE_MODELS[mode]:
+                    unmasked[mode] = gens
                 runs.append({"keep_set": name, "mode": mode, "generations": gens})
         finally:
             masking.remove()

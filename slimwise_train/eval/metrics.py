@@ -1,5 +1,6 @@
 """Accuracy and output-length metrics of the synthetic suite: pure functions of per-problem records, the one
-implementation that every evaluation path shares (the five-mode `evaluate` and the lm-eval `slimwise` model).
+implementation that every evaluation path shares (the eval app's `evaluate`, every mode, and the lm-eval
+`slimwise` model).
 
 Per problem (`score_run`, lists aligned with the problems):
 

@@ -81,8 +81,8 @@ def _cdf(values) -> tuple[list, list]:
     return [values[0], *values], [0.0, *((k + 1) / len(values) for k in range(len(values)))]
 
 
-_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)))
-_MARKERS = ("o", "s", "^", "D", "v")
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))  # one per mode (six)
+_MARKERS = ("o", "s", "^", "D", "v", "P")
 
 
 def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
@@ -105,8 +105,8 @@ def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
         if None not in ref:  # lm-eval runs without logged samples know no references
             ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
         for k, run in enumerate(runs):
-            # Modes often coincide (full and reverse, conventional and slimwise): distinct dashes, markers and a
-            # small vertical offset keep every line visible where they overlap.
+            # Modes often coincide (full and reverse, conventional and slimwise, a distill mode and its undistilled
+            # twin): distinct dashes, markers and a small vertical offset keep every line visible where they overlap.
             xs, ys = _cdf(run["length"][i] for i in idx)
             offset = 0.006 * (k - (len(runs) - 1) / 2)
             ax.step(xs, [y + offset for y in ys], where="post", label=run["mode"], lw=1.3,

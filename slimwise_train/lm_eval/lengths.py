@@ -12,7 +12,7 @@ Files written into the folder of lm-eval's results (each atomically):
     slimwise_report.md             every run in the folder side by side: one table per keep set, rows = modes
     slimwise_lengths_<keep>.png    length CDF per task, one line per mode
 
-`<run>` is the mode, plus the keep set's name for pruned modes, so the five modes of one keep set run into one
+`<run>` is the mode, plus the keep set's name for pruned modes, so the six modes of one keep set run into one
 `--output_path` build up one comparison. Length = generated tokens incl. EOS (or the token that completed a stop
 string); hit_budget = ended by max_gen_toks; collapse = ended (EOS or stop) shorter than half the reference answer
 (lm-eval's target, tokens + 1 for EOS; null without --log_samples).
@@ -163,7 +163,7 @@ def load_runs(folder: Path) -> list[tuple[dict, list[dict]]]:
     return runs
 
 
-_MODE_ORDER = ("full", "conventional", "slimwise", "reverse", "distilled")
+_MODE_ORDER = ("full", "conventional", "slimwise", "reverse", "conventional_distilled", "distilled")
 
 
 def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:

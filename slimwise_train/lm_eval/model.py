@@ -1,15 +1,19 @@
-"""The `slimwise` model of lm-evaluation-harness: any supported MoE checkpoint served in one of five modes.
+"""The `slimwise` model of lm-evaluation-harness: any supported MoE checkpoint served in one of six modes.
 
     python -m slimwise_train.lm_eval --model slimwise \\
         --model_args pretrained=<checkpoint>,keep_set=<keep_set.json>,mode=slimwise --tasks slimwise_math ...
 
 Modes (prefill pool -> decode pool over one KV cache, the same definitions as `python -m slimwise_train.eval`):
 
-    full          full    -> full
-    conventional  pruned  -> pruned
-    slimwise      full    -> pruned
-    reverse       pruned  -> full
-    distilled     full    -> student   (model_args student=<exported student folder>)
+    full                    full     -> full
+    conventional            pruned   -> pruned
+    slimwise                full     -> pruned
+    reverse                 pruned   -> full
+    conventional_distilled  student  -> student   (prune + distill: the student served alone; student=<folder>)
+    distilled               full     -> student   (model_args student=<exported student folder>)
+
+The eval app calls distilled `slimwise_distill` and conventional_distilled `conventional_distill`; both names are
+accepted here.
 
 What each request type means under a mode:
 
@@ -20,7 +24,8 @@ What each request type means under a mode:
 * loglikelihood(context, continuation): the context is prefilled by the prefill pool, whose last position scores
   the first continuation token; the continuation tokens are then fed to the decode pool on that cache, which
   scores the rest. So slimwise scores the continuation with the pruned decoder on the full model's cache,
-  conventional scores everything pruned and reverse the opposite.
+  conventional scores everything pruned and reverse the opposite; conventional_distilled scores everything with the
+  student.
 * loglikelihood_rolling: lm-eval's disjoint rolling windows, each window's context and continuation as above.
 
 Generated texts are `GeneratedText` strings that also carry `ended` (EOS produced), `num_tokens` and
@@ -41,16 +46,17 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from slimwise_train.eval.generation import MODE_DESCRIPTIONS, MODE_PHASES, eos_ids, left_pad
+from slimwise_train.eval.generation import MODE_DESCRIPTIONS, MODE_MODELS, MODE_PHASES, eos_ids, left_pad
 from slimwise_train.moe.handoff import continue_on_cache, handoff_generate, prefill
 
 log = logging.getLogger("slimwise.lm_eval")
 
-MODES = ("full", "conventional", "slimwise", "reverse", "distilled")
-# the eval app's name for distilled; accepted so one mode list serves both tools
-MODE_ALIASES = {"slimwise_distill": "distilled"}
+MODES = ("full", "conventional", "slimwise", "reverse", "conventional_distilled", "distilled")
+# the eval app's names of the student modes; accepted so one mode list serves both tools
+MODE_ALIASES = {"slimwise_distill": "distilled", "conventional_distill": "conventional_distilled"}
 END_REASONS = ("eos", "stop", "budget")
-_EVAL_MODE = {"distilled": "slimwise_distill"}  # our mode -> the eval app's MODE_PHASES key
+_EVAL_MODE = {ours: app for app, ours in MODE_ALIASES.items()}  # our mode -> the eval app's MODE_PHASES key
+STUDENT_MODES = tuple(m for m in MODES if "student" in MODE_MODELS[_EVAL_MODE.get(m, m)])  # need student=
 # generation kwargs lm-eval tasks pass that greedy decoding honours as they are
 _GREEDY_KWARGS = {"do_sample": (False, None), "temperature": (0, 0.0, None), "top_k": (None,), "top_p": (None, 1.0),
                   "num_beams": (1, None)}
@@ -117,10 +123,11 @@ class SlimwiseLM(TemplateLM):
             raise ValueError(f"slimwise model_args mode={mode!r} is unknown; use one of {list(MODES)}")
         if mode != "full" and not keep_set:
             raise ValueError(f"mode={mode} needs keep_set=<keep_set.json> (from python -m slimwise_train.prune)")
-        if mode == "distilled" and not student:
-            raise ValueError("mode=distilled needs student=<folder> (the trainer's export, <train output>/export)")
-        if student and mode != "distilled":
-            raise ValueError(f"student= is only read by mode=distilled, not mode={mode}; drop it or change the mode")
+        if mode in STUDENT_MODES and not student:
+            raise ValueError(f"mode={mode} needs student=<folder> (the trainer's export, <train output>/export)")
+        if student and mode not in STUDENT_MODES:
+            raise ValueError(f"student= is only read by mode={' or mode='.join(STUDENT_MODES)}, not mode={mode}; "
+                             "drop it or change the mode")
         self.mode = mode
         self.batch_size = _as_int(batch_size, "batch_size")
         self.max_gen_toks = _as_int(max_gen_toks, "max_gen_toks")
@@ -243,9 +250,17 @@ class SlimwiseLM(TemplateLM):
     def phases(self) -> tuple[str, str]:
         return MODE_PHASES[_EVAL_MODE.get(self.mode, self.mode)]
 
+    def _role(self, role: str) -> torch.nn.Module:
+        return self.student if role == "student" else self.model
+
+    @property
+    def prefiller(self) -> torch.nn.Module:
+        """The model that reads the prompt (and picks the first token): the student in conventional_distilled."""
+        return self._role(MODE_MODELS[_EVAL_MODE.get(self.mode, self.mode)][0])
+
     @property
     def decoder(self) -> torch.nn.Module:
-        return self.student if self.mode == "distilled" else self.model
+        return self._role(MODE_MODELS[_EVAL_MODE.get(self.mode, self.mode)][1])
 
     def _bar(self, total: int, desc: str):
         from tqdm.auto import tqdm
@@ -317,12 +332,12 @@ class SlimwiseLM(TemplateLM):
         bar = self._bar(len(batches), "generate")
         for until, budget, batch in batches:
             ids, mask = left_pad([prepared[i][0] for i in batch], self.pad_id, self._device)
-            result = handoff_generate(self.model, self.decoder, ids, mask, budget, self.eos, self.pad_id,
+            result = handoff_generate(self.prefiller, self.decoder, ids, mask, budget, self.eos, self.pad_id,
                                       prefill_phase=prefill_phase, decode_phase=decode_phase,
                                       stop_fn=self._stop_fn(until))
-            if prefill_phase == "prefill":
+            if prefill_phase == "prefill" and self.prefiller is self.model:
                 full_first = result.first_token.tolist()
-            else:  # pruned prefill: what would the full model have said first?
+            else:  # pruned or student prefill: what would the full model have said first?
                 logits, _ = prefill(self.model, ids, mask, phase="prefill")
                 full_first = logits[:, -1].argmax(-1).tolist()
             tokens, lengths = result.tokens.tolist(), result.lengths.tolist()
@@ -381,7 +396,7 @@ class SlimwiseLM(TemplateLM):
     def _score_batch(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         prefill_phase, decode_phase = self.phases
         ids, mask = left_pad([c for c, _ in pairs], self.pad_id, self._device)
-        logits, cache = prefill(self.model, ids, mask, phase=prefill_phase)
+        logits, cache = prefill(self.prefiller, ids, mask, phase=prefill_phase)
         first = F.log_softmax(logits[:, -1].float(), dim=-1)  # [B, V]: scores each continuation's first token
         width = max(len(t) for _, t in pairs)
         rest = None
