@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import EvalAppConfig, check_known_keys, register_configs, to_container
+from slimwise_train.config import CONF_DIR, EvalAppConfig, check_known_keys, register_configs, to_container
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
 from slimwise_train.utils.rundir import check_writable, die_with_launcher
@@ -179,7 +179,7 @@ def run_eval(cfg) -> dict:
 register_configs()
 
 
-@hydra_app("eval", "slimwise_train.eval")
+@hydra_app(CONF_DIR, "eval", "slimwise_train.eval")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.eval"):

@@ -17,6 +17,7 @@ import json
 from omegaconf import DictConfig
 
 from slimwise_train.config import (
+    CONF_DIR,
     PlanAppConfig,
     check_known_keys,
     register_configs,
@@ -40,7 +41,7 @@ def run_plan(cfg) -> dict:
 register_configs()
 
 
-@hydra_app("plan", "slimwise_train.plan", set_threads=False)
+@hydra_app(CONF_DIR, "plan", "slimwise_train.plan", set_threads=False)
 def main(cfg: DictConfig) -> None:
     with user_errors("slimwise_train.plan"):
         run_plan(cfg)

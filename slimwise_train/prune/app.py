@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import PruneAppConfig, check_known_keys, register_configs
+from slimwise_train.config import CONF_DIR, PruneAppConfig, check_known_keys, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
 from slimwise_train.utils.rundir import check_writable, claim_output_dir, die_with_launcher
@@ -112,7 +112,7 @@ def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta
 register_configs()
 
 
-@hydra_app("prune", "slimwise_train.prune")
+@hydra_app(CONF_DIR, "prune", "slimwise_train.prune")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.prune"):

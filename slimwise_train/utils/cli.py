@@ -84,10 +84,10 @@ def _one_line(exc: BaseException) -> str:
     import difflib
     import re
 
-    from slimwise_train import config
-
-    parts, options, key = [], [], None
+    parts, options, key, schema = [], [], None, None
     while exc is not None:
+        object_type = getattr(exc, "object_type", None)  # OmegaConf names the typed schema a bad key was aimed at
+        schema = object_type if dataclasses.is_dataclass(object_type) else schema
         lines = [line for line in str(exc).splitlines() if line.strip()]
         if lines and lines[0].strip() not in parts:
             parts.append(lines[0].strip().rstrip("."))
@@ -109,8 +109,7 @@ def _one_line(exc: BaseException) -> str:
     if options:
         line += f"; choose one of: {', '.join(options)}"
     unknown = re.search(r"Key '(\w+)' not in '(\w+)'", line)
-    schema = getattr(config, unknown.group(2), None) if unknown else None
-    if dataclasses.is_dataclass(schema):
+    if unknown and schema is not None and schema.__name__ == unknown.group(2):
         close = difflib.get_close_matches(unknown.group(1), [f.name for f in dataclasses.fields(schema)], n=1)
         if close:
             line += f"; did you mean {close[0]}?"
@@ -132,7 +131,7 @@ def _override_variants(overrides: list[str]) -> list[list[str]]:
     return variants
 
 
-def _compose_or_exit(config_name: str, prog: str, overrides: list[str]):
+def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir: str):
     """Compose the app's config the way @hydra.main will; a bad override is one line and exit 2, before Hydra
     creates the output folder. Returns the config of the first variant (with its hydra node), or None where the
     pre-check cannot stand in for Hydra (help and config flags)."""
@@ -140,12 +139,10 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from slimwise_train.config import CONF_DIR
-
     try:
         variants = _override_variants(overrides)
         first = None
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        with initialize_config_dir(config_dir=conf_dir, version_base=None):
             for variant in variants:
                 cfg = compose(config_name, overrides=variant, return_hydra_config=True)
                 first = first if first is not None else cfg
@@ -208,7 +205,8 @@ def threads_for_this_process() -> tuple[int, str]:
     return count, "physical cores available to this process; set OMP_NUM_THREADS to change"
 
 
-def hydra_app(config_name: str, prog: str, set_threads: bool = True) -> Callable[[Callable], Callable[[], None]]:
+def hydra_app(conf_dir: str, config_name: str, prog: str,
+              set_threads: bool = True) -> Callable[[Callable], Callable[[], None]]:
     """`@hydra.main` for the slimwise apps, with what each of them needs before and around the job:
 
     - the overrides are composed first, so a bad one (an unknown preset, `world_size=abc`) is one line and exit 2
@@ -220,8 +218,6 @@ def hydra_app(config_name: str, prog: str, set_threads: bool = True) -> Callable
     import functools
 
     import hydra
-
-    from slimwise_train.config import CONF_DIR
 
     def decorate(task: Callable) -> Callable[[], None]:
         @functools.wraps(task)
@@ -242,7 +238,7 @@ def hydra_app(config_name: str, prog: str, set_threads: bool = True) -> Callable
             logging.getLogger("slimwise").info("torch threads: %d (%s)", threads, why)
             return task(cfg)
 
-        run_hydra = hydra.main(config_path=CONF_DIR, config_name=config_name, version_base=None)(job)
+        run_hydra = hydra.main(config_path=conf_dir, config_name=config_name, version_base=None)(job)
 
         @functools.wraps(task)
         def main() -> None:
@@ -250,7 +246,7 @@ def hydra_app(config_name: str, prog: str, set_threads: bool = True) -> Callable
             if any(arg.split("=", 1)[0] in _NOT_A_RUN for arg in args):
                 return run_hydra()
             multirun = any(arg in ("-m", "--multirun") for arg in args)
-            cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")])
+            cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")], conf_dir)
             if multirun or cfg is None:
                 return run_hydra()
             from omegaconf import OmegaConf
