@@ -74,6 +74,7 @@ def test_an_output_folder_that_cannot_be_created_is_named(tmp_path):
     ("prune", "prune.ratio=2"),
     ("train", "distill.kl_weight=-1"),
     ("eval", "eval.num_per_family=0"),
+    ("plan", "gpu_memory_gib=0"),
 ])
 def test_a_run_refused_for_bad_input_leaves_no_folder_and_no_log(tmp_path, app, bad):
     proc = run(app, [bad, f"hydra.run.dir={tmp_path / 'outputs' / 'deep' / 'run'}", f"output_dir={tmp_path / 'o'}"]

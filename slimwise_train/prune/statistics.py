@@ -228,9 +228,9 @@ def check_enough_tokens(num_tokens: int, minimum: int, where: str) -> None:
         )
 
 
-def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
+def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_key: str = "data"):
     """(ExpertStatistics, metadata, source) where source is 'file', 'cache' or 'computed'."""
-    stats, meta, source = _compute_or_load_statistics(model, tokenizer, cfg, fingerprint)
+    stats, meta, source = _compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key)
     num_tokens = int(stats.num_tokens[0].item())
     check_enough_tokens(num_tokens, int(cfg.prune.min_calibration_tokens),
                         f"statistics ({source}{': ' + str(cfg.prune.scores) if source == 'file' else ''})")
@@ -239,7 +239,7 @@ def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
     return stats, meta, source
 
 
-def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
+def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_key: str):
     from slimwise_train.data.loading import calibration_batches, check_seq_len, encode_all, load_pairs, num_batches
 
     if cfg.prune.scores:
@@ -256,7 +256,7 @@ def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict):
         check_same_model(meta.get("model", {}), fingerprint, cache_file)
         log.info("statistics: cache hit %s", cache_file)
         return stats, meta, "cache"
-    pairs = load_pairs(cfg.data)
+    pairs = load_pairs(cfg.data, key=data_key)  # errors name the user's key (the trainer's is `calibration`)
     encoded = encode_all(tokenizer, pairs, cfg.data)
     # Refuse before the forward passes, not after: the count is known from the token ids.
     check_enough_tokens(sum(len(ids) for ids, _ in encoded), int(cfg.prune.min_calibration_tokens),
