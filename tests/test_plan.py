@@ -151,9 +151,19 @@ def test_cli_prints_a_table_and_one_json_line(tmp_path):
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
-    line = json.loads(lines[-1])
+    line = json.loads((tmp_path / "plan.json").read_text())
     assert line["engine"] == "zero3" and line["world_size"] == 8 and line["continuation_tokens"] == 4095
     assert lines[0].startswith("memory plan: qwen3_moe_30b_a3b") and any(row.startswith("total") for row in lines)
+    assert not any(row.startswith("{") for row in lines)  # the table only; the JSON is in plan.json
+    # 183 GiB does not fit 80: the planner says what would, planned the same way (moe: 46.4 GiB, layer)
+    (moe,) = [row for row in lines if row.startswith("with distill.recompute=moe:")]
+    assert moe.endswith("(fits)") and float(moe.split(": ")[1].split()[0]) < 80
+    assert any(row.startswith("with distill.recompute=layer:") for row in lines)
+    only = subprocess.run([sys.executable, "-m", "slimwise_train.plan", "model=qwen3_moe_30b_a3b", "engine=zero3",
+                           "world_size=8", "data.seq_len=4096", "json_only=true", f"hydra.run.dir={tmp_path / 'j'}"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert only.returncode == 0, only.stderr[-2000:]
+    assert json.loads(only.stdout) == line  # exactly one line: the same plan
     bad = subprocess.run([sys.executable, "-m", "slimwise_train.plan", "model=qwen3_moe_30b_a3b", "device=tpu",
                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120, check=False)

@@ -5,14 +5,16 @@
     python -m slimwise_train.plan model=bench_memory device=cpu world_size=2 engine=zero3 data.batch_size=2
 
 Prints a table (per rank: frozen weights, trainable + grads + AdamW, DeepSpeed buckets, logits and loss scratch, KV
-cache, activations, ZeRO-3 gathers, framework baseline; total; whether it fits gpu_memory_gib) and then one JSON line
-(`json_only=true`: only the line). Nothing is downloaded and no weight is allocated: the model is built on the meta
+cache, activations, ZeRO-3 gathers, framework baseline; total; whether it fits gpu_memory_gib), what a heavier
+distill.recompute would plan when it does not fit, and writes the plan as JSON to <hydra run dir>/plan.json
+(`json_only=true`: only the JSON, as one line on stdout). Nothing is downloaded and no weight is allocated: the model is built on the meta
 device from model.architecture (the real presets ship their config.json), a tiny preset, or a local model.path.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -25,17 +27,47 @@ from slimwise_train.config import (
 from slimwise_train.utils.cli import hydra_app, user_errors
 
 
-def run_plan(cfg) -> dict:
-    """The plan as its JSON object, after printing the table (unless json_only) and the JSON line."""
+def run_plan(cfg, json_path: Path | None = None) -> dict:
+    """The plan as its JSON object. Prints the table and, when it does not fit, what would (unless json_only: then
+    only the JSON line); the JSON goes to `json_path` when given (the app: `<hydra run dir>/plan.json`)."""
     from slimwise_train.plan.memory import plan_from_config
+    from slimwise_train.utils.atomic import write_json_atomic
 
     check_known_keys(cfg, PlanAppConfig)
     plan = plan_from_config(cfg)
-    if not cfg.json_only:
-        print(plan.table(), flush=True)
     line = plan.to_json()
-    print(json.dumps(line), flush=True)
+    if cfg.json_only:
+        print(json.dumps(line), flush=True)
+        return line
+    print(plan.table(), flush=True)
+    if not plan.fits:
+        for suggestion in fitting_alternatives(cfg):
+            print(suggestion, flush=True)
+    if json_path is not None:
+        write_json_atomic(json_path, line)
+        print(f"plan as JSON: {json_path} (json_only=true prints it as one line instead)", flush=True)
     return line
+
+
+def fitting_alternatives(cfg) -> list[str]:
+    """The same run under each heavier activation recompute (cheapest first), planned the same way, as lines to print:
+    what a user whose plan does not fit tries first."""
+    from omegaconf import OmegaConf
+
+    from slimwise_train.plan.memory import plan_from_config
+
+    order = ["none", "moe", "layer"]
+    current = str(cfg.distill.recompute)
+    lines = []
+    for mode in order[order.index(current) + 1:] if current in order else []:
+        other = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        other.distill.recompute = mode
+        alt = plan_from_config(other)
+        verdict = "fits" if alt.fits else "does not fit either"
+        lines.append(f"with distill.recompute={mode}: {alt.total_bytes / 2**30:.1f} GiB per rank ({verdict})")
+    if lines:
+        lines.insert(0, "what would fit (recompute trades step time for activation memory; docs/planning.md):")
+    return lines
 
 
 register_configs()
@@ -43,5 +75,7 @@ register_configs()
 
 @hydra_app(CONF_DIR, "plan", "slimwise_train.plan", set_threads=False)
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
     with user_errors("slimwise_train.plan"):
-        run_plan(cfg)
+        run_plan(cfg, Path(HydraConfig.get().runtime.output_dir) / "plan.json")
