@@ -266,7 +266,7 @@ def test_outputs_report_plots_and_json_schema(setup):
     assert set(data["runs"][0]) == {"keep_set", "mode", "length", "ended", "correct", "first_token",
                                     "first_token_agrees", "same_as_full"}
     report = (out / "report.md").read_text()
-    assert "## keep set `r0.5`" in report and "| mode | math | code | tool | all | first tok" in report
+    assert "## keep set `r0.5`" in report and "| mode | math | code | tool | all | worst family | first tok" in report
     table = [line for line in report.splitlines() if line.startswith("| ")]
     assert [line.split(" | ")[0][2:] for line in table[1:]] == list(data["modes"])
     row = next(r for r in results["rows"] if r["mode"] == "slimwise" and r["family"] == "math")
@@ -554,3 +554,32 @@ def test_demo_table_has_the_conventional_distill_row(distill_modes, tmp_path):
     assert modes == list(MODES)
     row = next(line for line in lines if line.startswith("| conventional_distill |"))
     assert row.startswith("| conventional_distill | student | student | 1.50x (")
+
+
+def test_the_report_names_the_worst_family_and_the_expert_bytes_bound():
+    """A pooled accuracy hides a family collapsing: each mode's row names the family that loses most against full;
+    and each mode's decoder gets its expert-bytes bound at batch 64 (1.00x where the full model decodes)."""
+    from slimwise_train.eval.report import expert_bytes_bound, render_markdown, touched_experts
+
+    def row(mode, family, accuracy):
+        return {"keep_set": None if mode == "full" else "k", "mode": mode, "family": family, "accuracy": accuracy,
+                "median_length": 10.0, "p90_length": 12.0, "hit_budget": 0.0, "collapse": 0.0,
+                "first_token_agreement_with_full": 1.0, "exact_match_with_full": 1.0}
+
+    accuracy = {"full": (0.9, 0.9, 1.0), "slimwise": (0.8, 0.85, 0.1), "reverse": (0.9, 0.8, 1.0)}
+    rows = [row(m, f, a) for m, accs in accuracy.items() for f, a in zip(("math", "code", "tool"), accs)]
+    rows += [row(m, "all", sum(accs) / 3) for m, accs in accuracy.items()]
+    info = {"num_kept": [8, 8], "num_experts": [16, 16], "top_k": [2, 2], "keep_fraction": 0.5}
+    results = {"families": ["math", "code", "tool"], "budget": {"math": 1, "code": 1, "tool": 1},
+               "num_problems": {"math": 1, "code": 1, "tool": 1}, "budget_rule": "-", "rows": rows,
+               "keep_sets": {"k": info}, "notes": [],
+               "mode_descriptions": {"full": "full prefill, full decode", "slimwise": "full prefill, pruned decode",
+                                     "reverse": "pruned prefill, full decode"}}
+    expected = touched_experts(16, 2, 64) / touched_experts(8, 2, 64)  # per layer the same: the ratio of one layer
+    assert expert_bytes_bound(info) == pytest.approx(expected)
+    assert touched_experts(16, 2, 64) == pytest.approx(16 * (1 - (14 / 16) ** 64))
+    table = {line.split(" | ")[0][2:]: line.split(" | ") for line in render_markdown(results).splitlines()
+             if line.startswith("| ") and not line.startswith("| mode")}
+    assert table["slimwise"][5] == "tool -0.90" and table["reverse"][5] == "code -0.10"
+    assert table["slimwise"][-1] == f"{expected:.2f}x |" and table["reverse"][-1] == "1.00x |"
+    assert table["full"][5] == "-"

@@ -312,7 +312,7 @@ def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, Ke
 # ----------------------------------------------------------------------------------------------- evaluate
 def _keep_set_info(keep: KeepSet, path: str | None) -> dict:
     return {"path": path, "num_kept": list(keep.num_kept), "num_experts": [lk.num_experts for lk in keep],
-            "keep_fraction": keep.keep_fraction, "meta": keep.meta}
+            "top_k": [lk.top_k for lk in keep], "keep_fraction": keep.keep_fraction, "meta": keep.meta}
 
 
 def eos_ids(model: nn.Module, tokenizer) -> list[int]:

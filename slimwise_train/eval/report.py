@@ -31,6 +31,40 @@ def _cell(row: dict) -> str:
             f" / {_fmt(row['p90_length'], 0)} / {_fmt(row['hit_budget'])}")
 
 
+BOUND_BATCH = 64  # the batch of the expert-bytes bound: the method's case is batched decode
+
+
+def touched_experts(experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts of `experts` a decode step reads when `tokens` tokens each pick `top_k` uniformly."""
+    return experts * (1 - (1 - top_k / experts) ** tokens)
+
+
+def expert_bytes_bound(info: dict, batch: int = BOUND_BATCH) -> float | None:
+    """Full / pruned expert bytes a decode step reads at `batch` under uniform routing, summed over layers: the most
+    a pruned decoder can speed a decode step up if expert weights were all it read (attention, KV and the rest move
+    the real number toward 1; `bench decode` measures it). None for an old results file without top_k."""
+    if "top_k" not in info:
+        return None
+    full = sum(touched_experts(e, k, batch) for e, k in zip(info["num_experts"], info["top_k"]))
+    pruned = sum(touched_experts(n, k, batch) for n, k in zip(info["num_kept"], info["top_k"]))
+    return full / pruned
+
+
+def _decode_pruned(results: dict, mode: str) -> bool:
+    """Whether the mode decodes with the pruned pool (masked model or student): from the results' own description."""
+    text = (results.get("mode_descriptions") or {}).get(mode, "")
+    return "pruned decode" in text or "student decode" in text
+
+
+def _worst_family(cells: dict, full: dict | None, families: Sequence[str]) -> str:
+    """The family that loses most accuracy against the full model, and by how much: a pooled number hides a collapse."""
+    if not full:
+        return "-"
+    drops = {f: cells[f]["accuracy"] - full[f]["accuracy"] for f in families if f in cells and f in full}
+    family = min(drops, key=drops.get)
+    return f"{family} {drops[family]:+.2f}"
+
+
 def render_markdown(results: dict, title: str = "SlimWise evaluation", header_lines: Sequence[str] = ()) -> str:
     families = results["families"]
     columns = [*families, "all"]
@@ -41,7 +75,10 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
     lines += [f"- problems per family: {problems}", f"- token budget: {budgets} ({results['budget_rule']})",
               "- cells: accuracy / median length / p90 length / share that hit the budget (lengths in tokens incl. "
               "EOS); first tok = first-token agreement with the full model; exact = full = whole output equals the "
-              "full model's; collapse = share that ended shorter than half the reference"]
+              "full model's; collapse = share that ended shorter than half the reference; worst family = the "
+              "family losing most accuracy against the full model; bytes bound = expert bytes a decode step reads at "
+              f"batch {BOUND_BATCH}, full / this mode's decoder, under uniform routing (a bound on the decode "
+              "speed-up, NOT a measurement: `python -m slimwise_train.bench decode` measures it)"]
     descriptions = results.get("mode_descriptions") or {}
     lines += ["- modes: " + "; ".join(f"**{mode}** = {text}" for mode, text in descriptions.items()), ""]
     names = list(results["keep_sets"]) or [None]
@@ -55,16 +92,21 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
                       f"kept experts per layer: {kept[0] if len(set(kept)) == 1 else kept} of "
                       f"{info['num_experts'][0]} (keep fraction {info['keep_fraction']:.3f})"
                       + (f"; `{info['path']}`" if info.get("path") else ""), ""]
-        lines.append("| mode | " + " | ".join(columns) + " | first tok | exact = full | collapse |")
-        lines.append("|---|" + "---|" * (len(columns) + 3))
+        lines.append("| mode | " + " | ".join(columns)
+                     + " | worst family | first tok | exact = full | collapse | bytes bound |")
+        lines.append("|---|" + "---|" * (len(columns) + 5))
         by_mode: dict[str, dict] = {}
         for row in rows_for(results, name):
             by_mode.setdefault(row["mode"], {})[row["family"]] = row
+        bound = expert_bytes_bound(results["keep_sets"][name]) if name is not None else None
         for mode, cells in by_mode.items():
             total = cells["all"]
+            speed = 1.0 if not _decode_pruned(results, mode) else bound
             lines.append(f"| {mode} | " + " | ".join(_cell(cells[c]) for c in columns)
+                         + f" | {_worst_family(cells, by_mode.get('full'), families) if mode != 'full' else '-'}"
                          + f" | {_fmt(total['first_token_agreement_with_full'])}"
-                         + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])} |")
+                         + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])}"
+                         + f" | {'-' if speed is None else f'{speed:.2f}x'} |")
         lines.append("")
     if results["notes"]:
         lines += ["## notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
