@@ -12,11 +12,26 @@ Model: `model.py`; packaged tasks: `tasks/` (TASKS_DIR; scoring in `scoring.py`)
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from slimwise_train.lm_eval.model import MODES, GeneratedText, SlimwiseLM
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+SELF_CONTAINED_TASKS = ("slimwise_math", "slimwise_code", "slimwise_tool")  # built in-process: no --metadata to pass
+
+
+class _NoMetadataHintForSelfContainedTasks(logging.Filter):
+    """lm-eval tells every task with a custom dataset that kwargs can be passed through `--metadata`; the synthetic
+    suite's tasks take none, so the hint (three multi-line warnings per run) only misleads there. Kept for the
+    `_local` tasks, which do read --metadata."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not ("can be passed to `--metadata`" in message and message.split(":", 1)[0] in SELF_CONTAINED_TASKS)
+
+
+logging.getLogger("lm_eval.api.task").addFilter(_NoMetadataHintForSelfContainedTasks())
 
 __all__ = ["MODES", "TASKS_DIR", "GeneratedText", "SlimwiseLM", "evaluate", "task_manager", "write_lengths"]
 

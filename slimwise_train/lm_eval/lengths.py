@@ -166,6 +166,14 @@ def load_runs(folder: Path) -> list[tuple[dict, list[dict]]]:
 _MODE_ORDER = ("full", "conventional", "slimwise", "reverse", "conventional_distilled", "distilled")
 
 
+def _task_order(task: str) -> tuple[int, str]:
+    """The synthetic suite's tasks in the eval app's family order (math, code, tool), then the rest by name."""
+    from slimwise_train.data.synthetic import FAMILIES
+
+    family = task.removeprefix("slimwise_")
+    return (FAMILIES.index(family), "") if family in FAMILIES else (len(FAMILIES), task)
+
+
 def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
     """The eval app's results shape (families = tasks) over the runs that evaluated the same requests as the
     newest run, so `slimwise_train.eval.report` renders and plots them."""
@@ -183,7 +191,7 @@ def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
         chosen.append((summary, records))
     chosen.sort(key=lambda run: _MODE_ORDER.index(run[0]["mode"]) if run[0]["mode"] in _MODE_ORDER else 99)
     base = newest[1]
-    tasks = list(dict.fromkeys(r["task"] for r in base))
+    tasks = sorted(dict.fromkeys(r["task"] for r in base), key=_task_order)
     problems = [{"family": r["task"], "reference_length": r.get("reference_tokens"), "doc_id": r["doc_id"]}
                 for r in base]
     keep_sets, rows, out_runs, taken = {}, [], [], {}
@@ -196,6 +204,8 @@ def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
             keep = taken[path]
             keep_sets[keep] = {"path": path, "num_kept": summary.get("num_kept"),
                                "num_experts": summary.get("num_experts"), "keep_fraction": summary.get("keep_fraction")}
+            if summary.get("top_k"):  # summaries written before 2026-12-02 lack it: no bound in their report
+                keep_sets[keep]["top_k"] = summary["top_k"]
         for task, metrics in summary["tasks"].items():
             rows.append({"keep_set": keep, "mode": summary["mode"], "family": task, **metrics,
                          "exact_match_with_full": None})

@@ -445,6 +445,7 @@ class SlimwiseLM(TemplateLM):
         if self.keep_set is not None:
             info["num_kept"] = list(self.keep_set.num_kept)
             info["num_experts"] = [layer.num_experts for layer in self.keep_set]
+            info["top_k"] = [layer.top_k for layer in self.keep_set]  # the report's expert-bytes bound
             info["keep_fraction"] = self.keep_set.keep_fraction
         return info
 
