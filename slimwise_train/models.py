@@ -4,6 +4,7 @@ random models of the stock classes for tests and smoke runs."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from slimwise_train.utils.distributed import is_partitioned
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer"
+
+log = logging.getLogger("slimwise.models")
+_TINY_NOTICE_SHOWN: set = set()  # (preset, model_type) whose notice this process logged (the trainer loads twice)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -104,6 +108,19 @@ def load_tokenizer(model_cfg):
     return tokenizer
 
 
+def _tiny_notice(model_cfg) -> None:
+    """Say once that the model is a random tiny one: a bare `python -m slimwise_train.prune` runs on one."""
+    try:
+        preset = getattr(model_cfg, "name", None) or f"tiny_{model_cfg.tiny}"
+    except Exception:  # a config without a usable name (MISSING)
+        preset = f"tiny_{model_cfg.tiny}"
+    if (preset, model_cfg.tiny) in _TINY_NOTICE_SHOWN:
+        return
+    _TINY_NOTICE_SHOWN.add((preset, model_cfg.tiny))
+    log.info("model=%s is a random tiny %s for smoke tests (no trained weights); use model=teacher for the shipped "
+             "teacher or model.path=<folder or hub id> for your checkpoint", preset, model_cfg.tiny)
+
+
 def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, partition=None,
                dtype: torch.dtype | None = None):
     """(model in eval mode on `device`, tokenizer). Raises a clear error for a dense or unsupported model.
@@ -123,6 +140,7 @@ def load_model(model_cfg, device: str | torch.device = "auto", tokenizer=None, p
     if model_cfg.tiny:
         from slimwise_train.testing.tiny import tiny_model
 
+        _tiny_notice(model_cfg)
         overrides = dict(model_cfg.tiny_overrides or {})
         overrides.setdefault("vocab_size", len(tokenizer))
         overrides.setdefault("pad_token_id", tokenizer.pad_token_id)

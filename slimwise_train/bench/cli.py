@@ -20,6 +20,22 @@ BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": r
            "memory": run_memory, "lm_eval": run_lm_eval_bench, "engine": run_engine}
 
 
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """`(default: ...)` after every option of every subcommand in `--help`, also for options without a help text
+    (argparse's ArgumentDefaultsHelpFormatter skips those)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            listed = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, child in action.choices.items():
+                if child.description is None and listed.get(name):
+                    child.description = listed[name].replace("%%", "%")  # `bench <name> --help` says what it is
+                _show_defaults(child)
+        elif action.option_strings and action.default is not argparse.SUPPRESS and action.help is not argparse.SUPPRESS:
+            help_text = action.help or ""
+            if "default" not in help_text.lower():  # "(default 2: ...)" written out already
+                action.help = f"{help_text} (default: %(default)s)".strip()
+
+
 def main(argv=None) -> int:
     import slimwise_train.bench as package  # its docstring is the --help description
 
@@ -89,7 +105,7 @@ def main(argv=None) -> int:
     lm_eval.add_argument("--batch-size", type=int, default=32)
     lm_eval.add_argument("--output-dir", default="outputs/bench/lm_eval")
     engine = sub.add_parser("engine", help="llama.cpp decode/prefill throughput, full vs pruned, with this machine's "
-                            "roofline bound", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            "roofline bound")
     engine.add_argument("--models", default="teacher,bench",
                         help="teacher (the shipped one) and/or bench (bench decode's shape: L2 H1024 E128 top-8 I768)")
     engine.add_argument("--batches", default="1,16,64", help="sequences decoded together")
@@ -101,6 +117,7 @@ def main(argv=None) -> int:
     engine.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16"])
     engine.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     engine.add_argument("--work-dir", default=None, help="where the GGUF files go for the run (default: the temp dir)")
+    _show_defaults(parser)
     args = parser.parse_args(argv)
     result = BENCHES[args.name](args)
     print(json.dumps(result), flush=True)

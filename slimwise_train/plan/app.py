@@ -73,7 +73,7 @@ def fitting_alternatives(cfg) -> list[str]:
 register_configs()
 
 
-@hydra_app(CONF_DIR, "plan", "slimwise_train.plan", set_threads=False)
+@hydra_app(CONF_DIR, "plan", "slimwise_train.plan", set_threads=False, schema=PlanAppConfig)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -112,7 +112,7 @@ def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta
 register_configs()
 
 
-@hydra_app(CONF_DIR, "prune", "slimwise_train.prune")
+@hydra_app(CONF_DIR, "prune", "slimwise_train.prune", schema=PruneAppConfig)
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.prune"):

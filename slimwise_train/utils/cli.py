@@ -205,8 +205,32 @@ def threads_for_this_process() -> tuple[int, str]:
     return count, "physical cores available to this process; set OMP_NUM_THREADS to change"
 
 
-def hydra_app(conf_dir: str, config_name: str, prog: str,
-              set_threads: bool = True) -> Callable[[Callable], Callable[[], None]]:
+# What a help request may come with for our own help (overrides aside); any other flag goes to Hydra as before.
+_HELP = ("-h", "--help")
+_HELP_ALONGSIDE = (*_HELP, "-m", "--multirun")
+
+
+def _print_help(task: Callable, conf_dir: str, config_name: str, prog: str, schema: type | None,
+                args: list[str]) -> None:
+    """`-h` / `--help`: the app's own help (utils/help.py), its values composed with the overrides given beside it."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from slimwise_train.utils.help import app_help
+
+    overrides = [a for a in args if a not in _HELP_ALONGSIDE]
+    cfg = _compose_or_exit(config_name, prog, overrides, conf_dir)
+    try:
+        module = sys.modules.get(getattr(task, "__module__", ""), None)
+        text = app_help(cfg, prog=prog, conf_dir=conf_dir, schema=schema, doc=getattr(module, "__doc__", None),
+                        overrides=tuple(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = True,
+              schema: type | None = None) -> Callable[[Callable], Callable[[], None]]:
     """`@hydra.main` for the slimwise apps, with what each of them needs before and around the job:
 
     - the overrides are composed first, so a bad one (an unknown preset, `world_size=abc`) is one line and exit 2
@@ -214,7 +238,10 @@ def hydra_app(conf_dir: str, config_name: str, prog: str,
     - a run refused for bad input (exit 2) leaves no folder or log behind; one stopped with Ctrl-C before it
       wrote anything but its log neither;
     - torch's thread count is set and logged (`threads_for_this_process`), unless set_threads=False (the planner
-      computes nothing and its `json_only` output must stay one line)."""
+      computes nothing and its `json_only` output must stay one line);
+    - `-h` / `--help` print the app's own help (groups with their presets, every key with its value and the
+      description from `schema`, the typed app config; default: the composed config's own type), exit 0;
+      `--hydra-help` is Hydra's."""
     import functools
 
     import hydra
@@ -243,6 +270,9 @@ def hydra_app(conf_dir: str, config_name: str, prog: str,
         @functools.wraps(task)
         def main() -> None:
             args = sys.argv[1:]
+            flags = [arg for arg in args if arg.startswith("-")]
+            if any(arg in _HELP for arg in flags) and all(arg in _HELP_ALONGSIDE for arg in flags):
+                return _print_help(task, conf_dir, config_name, prog, schema, args)
             if any(arg.split("=", 1)[0] in _NOT_A_RUN for arg in args):
                 return run_hydra()
             multirun = any(arg in ("-m", "--multirun") for arg in args)
