@@ -104,3 +104,25 @@ def test_the_thread_count_is_the_environment_s_or_the_physical_cores_and_is_logg
     proc = run("prune", ["prune.ratio=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
     the_error(proc, "prune")  # the app logs its threads first, then refuses
     assert f"torch threads: {threads} (physical cores" in proc.stdout + proc.stderr
+
+
+def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_path):
+    """An aborted eval used to leave a timestamped folder holding only eval.log (issue 26 item 7)."""
+    import signal
+
+    run_dir = tmp_path / "outputs" / "eval" / "run"
+    proc = subprocess.Popen([sys.executable, "-m", APPS["eval"], "model=teacher", "eval.num_per_family=200",
+                             f"hydra.run.dir={run_dir}", "progress=false"], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # the job has started (its log exists) once it logs its threads
+            if "torch threads:" in line:
+                break
+        assert (run_dir / "eval.log").is_file()
+        time.sleep(2)  # inside model loading or generation
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert tree(tmp_path) == []
