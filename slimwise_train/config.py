@@ -32,6 +32,10 @@ TrainablePreset = Literal["auto", "always_on", "always_on+lora_experts", "always
 LoraKind = Literal[None, "auto", "experts", "attention"]
 NormScope = Literal["all", "layer"]
 Recompute = Literal["none", "moe", "layer"]
+# Who prefills the prefix whose KV cache the student continues on in training (distill/trainer.py, issue 23):
+# teacher = the full model (the SlimWise setting: full prefill, pruned decode) | student = the student itself, with
+# gradients through its prefill (the conventional + distill setting: the pruned student serves both phases).
+PrefixFrom = Literal["teacher", "student"]
 
 
 @dataclass
@@ -126,6 +130,15 @@ class DistillConfig:
     # teacher prefix + continuation in ONE forward, the cache cropped back to the prefix for the student (one
     # weight gather fewer per micro-batch under ZeRO-3). null: on when every KV-cache layer is full attention.
     teacher_single_pass: Optional[bool] = None
+    # who prefills the prefix the student continues on (PrefixFrom above). teacher: the full model's KV cache (the
+    # SlimWise design). student: the student prefills seq[:s] itself, WITH gradients (the continuation's loss flows
+    # back through its own K/V into the prefill, so it is trained end to end as the pruned model on the whole
+    # sequence, the counterpart of a student that prefills and decodes: eval mode conventional_distill); computed as
+    # one student forward over prefix + continuation, so it costs the student's activations on the prefix too
+    # (distill.recompute cuts them; the memory planner counts the continuation only). Everything else is equal: the
+    # same split points, loss positions (the continuation only) and teacher targets (the full model over the whole
+    # sequence, computed exactly as with teacher). A run cannot resume with the other value.
+    prefix_from: Annotated[str, PrefixFrom] = "teacher"
     # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation]
     min_split: int = 1
     min_continuation: int = 2
@@ -423,6 +436,10 @@ def check_distill_config(d, key: str = "distill") -> None:
         if beta is None or not 0 <= beta < 1:
             raise ValueError(f"{key}.{name}={d.get(name)} is invalid: an Adam beta is in [0, 1); "
                              f"e.g. {key}.{name}={example}")
+    prefix_from = d.get("prefix_from", DistillConfig.prefix_from)
+    if prefix_from not in get_args(PrefixFrom):
+        raise ValueError(f"{key}.prefix_from={prefix_from!r} is invalid: it must be one of "
+                         f"{', '.join(get_args(PrefixFrom))}; e.g. {key}.prefix_from=student")
     size = d.get("shared_expert_intermediate_size")
     if size is not None and (_integer(size) is None or size < 1):
         raise ValueError(f"{key}.shared_expert_intermediate_size={size} is invalid: it must be an integer >= 1, or "

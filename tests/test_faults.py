@@ -295,3 +295,13 @@ def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_no_partial_check
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_000002"]  # no .step_000004.tmp left behind
     verify_checkpoint(root / "step_000002")
+
+
+def test_an_offline_hub_id_as_calibration_source_names_calibration(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    trainer = trainer_for(tmp_path, "prune.keep_set=null", "calibration.source=someorg/somedata")
+    try:
+        with pytest.raises(ValueError, match=r"^calibration.source=someorg/somedata: neither a local file or folder"):
+            trainer.setup()
+    finally:
+        trainer.close()

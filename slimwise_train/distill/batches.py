@@ -1,7 +1,8 @@
 """Split points, bucketing and continuation batches for teacher-KV distillation.
 
 Every sequence x (n tokens, prompt + answer + EOS) gets its own split point s; the teacher prefills x[:s] and the
-student predicts the continuation x[s:] on the teacher's cache. Bounds (inclusive):
+student predicts the continuation x[s:] on the teacher's cache (distill.prefix_from=student: on the cache of its own
+prefill of x[:s]; the same split points and batches either way). Bounds (inclusive):
 
     s ~ U{lo, ..., hi},   lo = max(min_split, prompt_len if split_after_prompt else 0),   hi = n - min_continuation
 
@@ -13,7 +14,8 @@ Determinism and resumption: the order of sequences and their split points depend
 epoch), never on RNG state, so a resumed run replays exactly the batches an uninterrupted run sees, and the same
 global batch is seen whatever the split into ranks x accumulation micro-batches (1 x 2 and 2 x 1 see the same data).
 
-Waste control: student compute runs on continuation tokens only (the prefix is the teacher's). The remaining waste
+Waste control: student compute runs on continuation tokens only (the prefix is the teacher's; with
+distill.prefix_from=student the student also runs the left-padded prefixes). The remaining waste
 is right padding of the continuations (logged as student_pad_share). Split points are drawn before batching and
 windows of `bucket_windows` global batches are sorted by continuation length before being cut into batches; inside
 a step the sequences are again sorted by continuation length before being cut into micro-batches. Packing several

@@ -312,8 +312,10 @@ def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Mo
 
 
 def export_student(student: DistillModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = True,
-                   in_place: bool = False) -> Path:
-    """Write the distilled decoder as an HF checkpoint (see module docstring); returns the folder."""
+                   in_place: bool = False, prefix_from: str = "teacher") -> Path:
+    """Write the distilled decoder as an HF checkpoint (see module docstring); returns the folder. `prefix_from`
+    (distill.prefix_from of the training run) is recorded in slimwise_export.json: which prefill it was trained
+    after, the teacher's (SlimWise) or its own (conventional + distill)."""
     # the teacher's cache fingerprint, read before LoRA is merged (attention LoRA changes the export's own attention
     # weights, not the cache the teacher writes for it): what the llama.cpp handoff checks (serve/gguf.py)
     teacher_fingerprint = model_cache_fingerprint(student.model)
@@ -354,7 +356,11 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
         "base_model_type": base_model_type,
         "load": ("AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)" if shared
                  else "AutoModelForCausalLM.from_pretrained(path)"),
-        "prefill": "the unpruned teacher prefills the prompt; this model decodes on its KV cache",
+        "prefill": ("the unpruned teacher prefills the prompt; this model decodes on its KV cache"
+                    if prefix_from == "teacher" else
+                    "trained to prefill the prompt itself and decode on its own KV cache "
+                    "(distill.prefix_from=student)"),
+        "prefix_from": prefix_from,
         "num_kept": list(student.keep_set.num_kept),
         "shared_expert": student.spec.shared_expert_mode if student.spec.train_shared_expert else None,
         "trainable": preset_name(student.spec.lora),  # the resolved preset (LoRA merged into the weights above)

@@ -14,7 +14,8 @@ hooks call them (as modules, so ZeRO-3 gathers their parameters; see engine.py) 
 * norm delta     `NormDelta(H)` under every RMSNorm that has a weight. RMSNorm output is linear in its weight, for
                  the plain (x_hat * w) and the zero-centred (x_hat * (1 + w): Qwen3-Next, Qwen3.5) forms alike, so
                  student out = stock out + x_hat * dw is the norm with weight w + dw. Norms before attention change
-                 the K/V of the continuation tokens only; the prefix cache stays the teacher's (the SlimWise design).
+                 the K/V of the continuation tokens only; the prefix cache stays the teacher's (the SlimWise design;
+                 with distill.prefix_from=student the student prefills too, so they change its prefix K/V as well).
 * shared expert  `SharedExpert` (gated MLP in the family's activation, down projection zero), placed by
                  `StudentSpec.shared_expert_mode` (auto, the default: native where the family has a slot of its
                  own, else none):

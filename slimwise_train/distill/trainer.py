@@ -6,7 +6,10 @@ One optimizer step, top to bottom (`train_step`):
   2. sequences sorted by continuation length, dealt to ranks, cut into grad_accum micro-batches;
   3. the global number of loss tokens (all ranks, all micro-batches) by one all-reduce: the loss denominator;
   4. per micro-batch: teacher prefill of the left-padded prefixes (no grad) -> cache; teacher continuation on a
-     copy of the cache -> target logits; student continuation on the cache -> logits; loss; backward;
+     copy of the cache -> target logits; student continuation on the cache -> logits; loss; backward
+     (distill.prefix_from=student: the same teacher targets; the student runs its OWN prefill of the prefixes, with
+     gradients, and the continuation after it: one student forward over prefix + continuation, see
+     `_student_on_own_prefix`);
   5. a non-finite loss on any rank skips the step on every rank (counted; max_nan_steps in a row abort);
   6. clip (explicit), optimizer and scheduler step; metrics; checkpoint every save_every steps.
 
@@ -148,6 +151,8 @@ class Trainer:
                                     recompute=str(cfg.distill.recompute))
         self.counts = self.student.parameter_counts()
         self.single_pass = self._teacher_single_pass()
+        log.info("prefix cache: %s (distill.prefix_from)", "the student's own prefill, with gradients"
+                 if self._student_prefix() else "the teacher's prefill")
         # The same digest at the end proves the teacher unchanged. Unpartitioned it is taken now; partitioned, once
         # the engine can gather the parameters.
         self.frozen_digest = (self._frozen_digest() if cfg.distill.check_frozen and self.loading is None else None)
@@ -199,7 +204,7 @@ class Trainer:
         self.sink.summary({
             "trainable_params": self.counts["trainable"], "total_params": self.counts["total"],
             "trainable_share": self.counts["trainable"] / self.counts["total"],
-            "num_too_short": self.num_too_short,
+            "num_too_short": self.num_too_short, "prefix_from": str(cfg.distill.prefix_from),
         })
         du.barrier()
         self.setup_seconds = time.perf_counter() - self.t_setup
@@ -279,7 +284,8 @@ class Trainer:
                                       "progress": bool(cfg.progress)})
         # Partitioned weights: each module gathers its own parameters around its forward (scoring is no-grad).
         with self.loading.gathered_inference(model) if self.loading else contextlib.nullcontext():
-            stats, _, source = compute_or_load_statistics(model, self.tokenizer, prune_cfg, fingerprint)
+            stats, _, source = compute_or_load_statistics(model, self.tokenizer, prune_cfg, fingerprint,
+                                                          data_key="calibration")
         du.barrier()  # rank 0 has written the statistics cache: the next sweep job sees it on every rank
         kept = select_keep(get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio, stats.top_k, cfg.prune.scope,
                            groups)
@@ -409,6 +415,7 @@ class Trainer:
             "engine": self.cfg.engine.name,
             "frozen_digest": self.frozen_digest,
             "keep_set": self.keep_set.to_dict(),  # a rerun of this folder with another keep set is refused
+            "prefix_from": str(self.cfg.distill.prefix_from),  # another training objective: resume is refused
         }
 
     def _resume(self, path: Path) -> None:
@@ -428,9 +435,11 @@ class Trainer:
                 "distill/trainable=always_on), or use resume=never"
             )
         expected = [("global_batch", self.global_batch), ("data_fingerprint", self.data_fingerprint),
-                    ("engine", self.cfg.engine.name)]
+                    ("engine", self.cfg.engine.name), ("prefix_from", str(self.cfg.distill.prefix_from))]
         if self.frozen_digest is not None and state.get("frozen_digest") is not None:
             expected.append(("frozen_digest", self.frozen_digest))  # another teacher (or other weights)
+        # Checkpoints from before distill.prefix_from existed were all trained on the teacher's prefix cache.
+        state = {"prefix_from": "teacher", **state}
         mismatch = [(k, state.get(k), v) for k, v in expected if state.get(k) != v]
         if mismatch:
             raise ValueError(
@@ -465,9 +474,22 @@ class Trainer:
                              f"{', '.join(sorted(kinds))}; use distill.teacher_single_pass=null")
         return possible if wanted is None else bool(wanted)
 
+    def _student_prefix(self) -> bool:
+        """distill.prefix_from=student: the student prefills the prefix itself (read from the config, so a trainer
+        assembled without setup(), as bench/train.py does, follows it too)."""
+        return str(self.cfg.distill.get("prefix_from", "teacher")) == "student"
+
     def _forward_pair(self, batch: B.ContinuationBatch):
-        """Teacher target logits and student logits [B, L, V] for one micro-batch (student keeps its graph)."""
+        """Teacher target logits and student logits [B, L, V] for one micro-batch (student keeps its graph).
+
+        The teacher's targets are the full model over the whole sequence, computed the same way whatever
+        distill.prefix_from says (one pass over prefix + continuation, or prefill then continuation), so both settings
+        train on bit-identical targets. The prefix the student continues on:
+          teacher: the teacher's prefill (no grad) -> KV cache, the SlimWise handoff;
+          student: the student's own: see `_student_on_own_prefix`.
+        """
         P, L = batch.prefix_ids.shape[1], batch.cont_ids.shape[1]
+        own_prefix = self._student_prefix()
         cache = DynamicCache(config=text_config(self.student.model))
         cont_positions = positions_from_mask(batch.full_mask, P, L)
         if self.single_pass:
@@ -476,6 +498,9 @@ class Trainer:
                     "teacher", input_ids=torch.cat([batch.prefix_ids, batch.cont_ids], dim=1),
                     attention_mask=batch.full_mask, position_ids=positions_from_mask(batch.full_mask),
                     past_key_values=cache, logits_to_keep=L)
+            if own_prefix:
+                del cache  # the teacher's K/V are not the student's
+                return teacher_logits, self._student_on_own_prefix(batch)
             cache.crop(-L)  # back to the prefix: remove the L continuation tokens
             student_logits = self.engine.forward("student", input_ids=batch.cont_ids, attention_mask=batch.full_mask,
                                                  position_ids=cont_positions, past_key_values=cache)
@@ -485,13 +510,36 @@ class Trainer:
             self.engine.forward("teacher", input_ids=batch.prefix_ids, attention_mask=batch.prefix_mask,
                                 position_ids=positions_from_mask(batch.prefix_mask), past_key_values=cache,
                                 logits_to_keep=1)
-            # The forward extends the cache in place: the teacher continues on a copy, the student on the original.
+            # The forward extends the cache in place: the teacher continues on a copy, the student on the original
+            # (with the student's own prefix the teacher's cache has no other use: no copy).
             teacher_logits = self.engine.forward("teacher", input_ids=batch.cont_ids, attention_mask=batch.full_mask,
-                                                 position_ids=cont_positions, past_key_values=copy_cache(cache))
+                                                 position_ids=cont_positions,
+                                                 past_key_values=cache if own_prefix else copy_cache(cache))
+        if own_prefix:
+            del cache
+            return teacher_logits, self._student_on_own_prefix(batch)
         make_cache_autograd_safe(cache)  # hybrid linear-attention caches update state in place otherwise
         student_logits = self.engine.forward("student", input_ids=batch.cont_ids, attention_mask=batch.full_mask,
                                              position_ids=cont_positions, past_key_values=cache)
         return teacher_logits, student_logits
+
+    def _student_on_own_prefix(self, batch: B.ContinuationBatch) -> torch.Tensor:
+        """distill.prefix_from=student: the student's logits [B, L, V] on the continuation after its OWN prefill of the
+        prefix, with gradients through that prefill.
+
+        Computed as ONE causal student forward over the left-padded prefix + right-padded continuation (no cache, the
+        last L logits kept): the K/V it computes for the prefix positions are exactly the ones the student's prefill
+        of the prefix writes to its cache, and the continuation attends to them as it would on that cache, for every
+        cache kind (full, sliding-window, linear attention: nothing is cropped). tests/test_prefix_from.py checks it
+        against the literal prefill -> cache -> continuation. One call per module instead of two also matters under
+        ZeRO-3: a z3 leaf module (expert LoRA) reduces its gradients once per call in backward, so a second call
+        with gradients would reduce them twice. Gradients flow through the prefix positions (the student is trained
+        end to end as the pruned model on the whole sequence, as it runs when it serves both phases); the loss
+        positions stay the continuation's (the prefix logits are not computed)."""
+        L = batch.cont_ids.shape[1]
+        return self.engine.forward("student", input_ids=torch.cat([batch.prefix_ids, batch.cont_ids], dim=1),
+                                   attention_mask=batch.full_mask, position_ids=positions_from_mask(batch.full_mask),
+                                   use_cache=False, logits_to_keep=L)
 
     def _loss(self, teacher_logits, student_logits, labels, num_tokens_global):
         d = self.cfg.distill
@@ -687,6 +735,8 @@ class Trainer:
             # Every rank's own copy of the trainable tensors (gathered under ZeRO-3): they must all agree.
             "rank_trainable_digests": gather_objects(_digest(sorted(trainable.items()))),
             "keep_set": list(self.keep_set.num_kept),
+            # who prefilled the prefix in training (distill.prefix_from): tells the two trainings apart for evals
+            "prefix_from": str(self.cfg.distill.prefix_from),
             "history": history,
         }
         if du.is_rank0() and self.cfg.distill.export:
@@ -701,8 +751,10 @@ class Trainer:
         from slimwise_train.distill.export import export_student, load_student, save_trainable
 
         spec = self.student.spec
+        prefix_from = str(self.cfg.distill.prefix_from)
         path = save_trainable(self.output_dir / "student_trainable.safetensors", trainable, self.keep_set, spec,
-                              self.student.model.config.model_type, extra={"steps": self.step})
+                              self.student.model.config.model_type,
+                              extra={"steps": self.step, "prefix_from": prefix_from})
         if self.cfg.engine.name == "zero3":
             # The live module is partitioned: rebuild the student on a fresh teacher from the small file, on the host
             # in the run's dtype (bf16 on GPU), not fp32 (a layer-at-a-time gathered export is not done yet).
@@ -717,8 +769,9 @@ class Trainer:
             from slimwise_train.distill.lora import export_adapter
 
             export_adapter(student, self.output_dir / "adapter", tokenizer=self.tokenizer)
+        # in_place for a rebuilt student: no second copy of the weights
         export_student(student, self.output_dir / "export", tokenizer=self.tokenizer, overwrite=True,
-                       in_place=student is not self.student)  # a rebuilt student: no second copy of the weights
+                       in_place=student is not self.student, prefix_from=prefix_from)
         log.info("exported the distilled decoder to %s", self.output_dir / "export")
 
     def close(self) -> None:
