@@ -181,6 +181,35 @@ def mode_table(eval_dir: Path, speedup: float, source: str, student_dir: Path) -
                         "(prune + distill) serves the student alone, for prefill too."]
 
 
+def figures(eval_dir: Path, train_dir: Path, measured: float | None) -> dict[str, list[str]]:
+    """The report's PNGs in OUT: {kind: [file names]}. The eval app's length CDFs and per-family bars are copied;
+    the trade-off is redrawn on the measured `bench decode` speed-up when there is one (the eval app's uses the
+    expert-bytes bound); the training curve comes from the distill run's metrics.jsonl."""
+    from slimwise_train.eval.plots import plot_tradeoff, plot_training_curves
+
+    results = json.loads((eval_dir / "results.json").read_text())
+    plots: dict[str, list[str]] = {}
+    for kind in ("lengths", "family_accuracy", "tradeoff"):
+        for src in sorted(eval_dir.glob(f"{kind}_*.png")):
+            if kind == "tradeoff" and measured is not None:
+                name = src.stem[len("tradeoff_"):]
+                keep_set = name if name in results["keep_sets"] else None
+                speedups = {mode: 1.0 if POOLS[mode][1] == "full" else measured for mode in POOLS}
+                plot_tradeoff(results, keep_set, OUT / src.name, speedups=speedups)
+            else:
+                shutil.copy(src, OUT / src.name)
+            plots.setdefault(kind, []).append(src.name)
+    if (train_dir / "metrics.jsonl").is_file():
+        plot_training_curves(train_dir / "metrics.jsonl", OUT / "training_curves.png",
+                             title=f"demo distillation loss, {STEPS} steps")
+        plots["training_curves"] = ["training_curves.png"]
+    return plots
+
+
+def image(plots: dict[str, list[str]], kind: str) -> list[str]:
+    return [f"![{name}]({name})\n" for name in plots.get(kind, [])] or ["(no figure)"]
+
+
 def main() -> int:
     if OUT.exists():
         shutil.rmtree(OUT)
@@ -206,9 +235,7 @@ def main() -> int:
     total = round(time.time() - start, 1)
     prune_summary = json.loads((prune_dir / "prune_summary.json").read_text())
     eval_report = (eval_dir / "report.md").read_text()
-    plots = sorted(p.name for p in eval_dir.glob("*.png"))
-    for name in plots:
-        shutil.copy(eval_dir / name, OUT / name)
+    plots = figures(eval_dir, train_dir, speedup if BENCH else None)
     lines = [
         "# SlimWise demo report", "",
         "Shipped teacher (`slimwise_train/assets/teacher`, stock Qwen3-MoE, 64 experts top-4) on the synthetic suite.",
@@ -219,8 +246,10 @@ def main() -> int:
         "## What each mode buys and costs", "", *mode_table(eval_dir, speedup, speedup_source, train_dir / "export"), "",
         "## Evaluation", "", demoted(eval_report), "",
         "## Served by llama.cpp", "", *serve_lines, "",
-        "## Distillation log", "", *training_summary(train_dir), "",
-        "## Length distributions", "", *[f"![{name}]({name})" for name in plots], "",
+        "## Accuracy against decode speed-up", "", *image(plots, "tradeoff"), "",
+        "## Accuracy per family", "", *image(plots, "family_accuracy"), "",
+        "## Distillation log", "", *image(plots, "training_curves"), *training_summary(train_dir), "",
+        "## Length distributions", "", *image(plots, "lengths"), "",
         "## Reproduce", "", "```", "make demo", "```",
     ]
     (OUT / "report.md").write_text("\n".join(lines) + "\n")

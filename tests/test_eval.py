@@ -249,8 +249,11 @@ def test_accuracy_needs_eos_and_budgets_default_to_twice_the_longest_answer(setu
 def test_outputs_report_plots_and_json_schema(setup):
     out, results = setup["out"], setup["results"]
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".") and p.name != "wandb") == [
-        "eval_config.yaml", "generations.jsonl", "lengths_r0.5.png", "report.md", "results.json"]
-    assert (out / "lengths_r0.5.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        "eval_config.yaml", "family_accuracy_r0.5.png", "generations.jsonl", "lengths_r0.5.png", "report.md",
+        "results.json", "tradeoff_r0.5.png"]
+    for figure in ("lengths", "tradeoff", "family_accuracy"):
+        assert (out / f"{figure}_r0.5.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({figure}_r0.5.png)" in (out / "report.md").read_text()  # linked under the keep set's table
     data = json.loads((out / "results.json").read_text())
     for key in ("format", "model", "families", "num_problems", "budget", "budget_rule", "modes", "keep_sets", "rows",
                 "runs", "problems", "notes", "metric_definitions", "elapsed_s"):

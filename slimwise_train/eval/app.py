@@ -9,6 +9,8 @@ Writes into output_dir (each file atomically, only after every generation is don
   results.json            per (keep set, mode, family) metrics rows, per-problem lengths/ended/correct, notes
   report.md               one table per keep set: rows = modes, cells = acc / median / p90 / hit-budget
   lengths_<keep set>.png  output-length CDFs per family, one line per mode
+  tradeoff_<keep set>.png accuracy vs decode speed-up per mode (the expert-bytes bound at batch 64, not measured)
+  family_accuracy_<keep set>.png  accuracy bars per family and pooled, one bar per mode
   eval_config.yaml        the resolved config
   generations.jsonl       every output text (eval.save_generations=true)
 See `slimwise_train.eval.metrics` for the metric definitions.
@@ -97,7 +99,27 @@ def wandb_mode(logger_cfg) -> str:
     return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
-def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
+FIGURES = (("lengths", "output-length CDF per family"), ("tradeoff", "accuracy vs decode speed-up"),
+           ("family_accuracy", "accuracy per family"))
+
+
+def write_figures(results: dict, out: Path) -> dict[str | None, list[tuple[str, Path]]]:
+    """`<figure>_<keep set>.png` for every figure in FIGURES and every keep set (`full` without one):
+    {keep set name or None: [(caption, path)]}."""
+    from slimwise_train.eval.plots import plot_family_accuracy, plot_lengths, plot_tradeoff
+
+    plot = {"lengths": plot_lengths, "tradeoff": plot_tradeoff, "family_accuracy": plot_family_accuracy}
+    images = {}
+    for name in list(results["keep_sets"]) or [None]:
+        images[name] = []
+        for figure, caption in FIGURES:
+            path = out / f"{figure}_{name or 'full'}.png"
+            plot[figure](results, name, path)
+            images[name].append((caption, path))
+    return images
+
+
+def log_to_wandb(cfg, results: dict, images: dict[str | None, list[tuple[str, Path]]]) -> None:
     import wandb
 
     from slimwise_train.eval.report import wandb_rows, wandb_summary
@@ -110,7 +132,9 @@ def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
                      tags=list(cfg.logger.tags), job_type="eval", dir=str(cfg.output_dir), config=to_container(cfg))
     columns, data = wandb_rows(results)
     payload = {"eval/results": wandb.Table(columns=columns, data=data)}
-    payload.update({f"eval/lengths_{name}": wandb.Image(str(path)) for name, path in images.items()})
+    # eval/lengths_<keep set>, eval/tradeoff_<keep set>, eval/family_accuracy_<keep set>: one media panel each
+    payload.update({f"eval/{path.stem}": wandb.Image(str(path), caption=caption)
+                    for figures in images.values() for caption, path in figures})
     payload.update(wandb_summary(results))  # accuracy / median / p90 length per mode: panels and the run summary
     run.log(payload)
     run.finish()
@@ -119,7 +143,7 @@ def log_to_wandb(cfg, results: dict, images: dict[str, Path]) -> None:
 def run_eval(cfg) -> dict:
     """The whole eval job; returns the results dict. Importable for tests and notebooks."""
     from slimwise_train.eval.generation import STUDENT_MODES, build_problems, evaluate, load_student
-    from slimwise_train.eval.report import plot_lengths, render_markdown
+    from slimwise_train.eval.report import render_markdown
     from slimwise_train.models import load_model, model_identity
     from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
 
@@ -148,12 +172,10 @@ def run_eval(cfg) -> dict:
     if du.is_rank0():
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        images = {}
-        for name in list(results["keep_sets"]) or [None]:
-            images[name or "full"] = out / f"lengths_{name or 'full'}.png"
-            plot_lengths(results, name, images[name or "full"])
+        images = write_figures(results, out)
+        links = {name: [(caption, path.name) for caption, path in figures] for name, figures in images.items()}
         header = [f"model: {results['model']}"] + ([f"student: {results['student']}"] if results["student"] else [])
-        write_text_atomic(out / "report.md", render_markdown(results, header_lines=header))
+        write_text_atomic(out / "report.md", render_markdown(results, header_lines=header, images=links))
         write_text_atomic(out / "eval_config.yaml", OmegaConf.to_yaml(cfg))
         if cfg.eval.save_generations:
             with atomic_path(out / "generations.jsonl") as tmp, open(tmp, "w") as f:
@@ -179,7 +201,7 @@ def run_eval(cfg) -> dict:
 register_configs()
 
 
-@hydra_app(CONF_DIR, "eval", "slimwise_train.eval")
+@hydra_app(CONF_DIR, "eval", "slimwise_train.eval", schema=EvalAppConfig)
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.eval"):

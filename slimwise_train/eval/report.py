@@ -1,5 +1,5 @@
-"""Reports of an evaluation's results dict: the markdown tables (one per keep set), output-length CDF plots and
-the W&B table rows."""
+"""Reports of an evaluation's results dict: the markdown tables (one per keep set) and the W&B table rows; the
+figures are in `slimwise_train.eval.plots` (`plot_lengths` is importable from here too)."""
 
 from __future__ import annotations
 
@@ -65,7 +65,10 @@ def _worst_family(cells: dict, full: dict | None, families: Sequence[str]) -> st
     return f"{family} {drops[family]:+.2f}"
 
 
-def render_markdown(results: dict, title: str = "SlimWise evaluation", header_lines: Sequence[str] = ()) -> str:
+def render_markdown(results: dict, title: str = "SlimWise evaluation", header_lines: Sequence[str] = (),
+                    images: dict[str | None, Sequence[tuple[str, str]]] | None = None) -> str:
+    """The report; `images` ({keep set name or None: [(caption, relative path)]}) are linked under that keep set's
+    table as markdown images."""
     families = results["families"]
     columns = [*families, "all"]
     lines = [f"# {title}", ""]
@@ -108,6 +111,8 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
                          + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])}"
                          + f" | {'-' if speed is None else f'{speed:.2f}x'} |")
         lines.append("")
+        for caption, link in (images or {}).get(name, ()):
+            lines += [f"![{caption}]({link})", ""]
     if results["notes"]:
         lines += ["## notes", ""] + [f"- {n}" for n in results["notes"]] + [""]
     return "\n".join(lines)
@@ -117,54 +122,11 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "keep_set"
 
 
-def _cdf(values) -> tuple[list, list]:
-    """Step coordinates of an empirical CDF, starting at 0."""
-    values = sorted(values)
-    return [values[0], *values], [0.0, *((k + 1) / len(values) for k in range(len(values)))]
-
-
-_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)), (0, (3, 1, 1, 1, 1, 1)))  # one per mode (six)
-_MARKERS = ("o", "s", "^", "D", "v", "P")
-
-
 def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
-    """CDF of output lengths per family (one panel each), one line per mode, the reference answers dashed and
-    the budget as a vertical line. Written atomically with the Agg backend."""
-    import matplotlib
+    """Output-length CDFs per family (`slimwise_train.eval.plots.plot_lengths`, kept importable from here)."""
+    from slimwise_train.eval.plots import plot_lengths as plot
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    from slimwise_train.utils.atomic import atomic_path
-
-    families = results["families"]
-    runs = [r for r in results["runs"] if r["keep_set"] is None or r["keep_set"] == keep_set]
-    problem_family = [p["family"] for p in results["problems"]]
-    fig, axes = plt.subplots(1, len(families), figsize=(4.2 * len(families), 3.4), squeeze=False)
-    for ax, family in zip(axes[0], families):
-        idx = [i for i, f in enumerate(problem_family) if f == family]
-        ref = [results["problems"][i]["reference_length"] for i in idx]
-        if None not in ref:  # lm-eval runs without logged samples know no references
-            ax.step(*_cdf(ref), where="post", color="0.5", ls="--", label="reference")
-        for k, run in enumerate(runs):
-            # Modes often coincide (full and reverse, conventional and slimwise, a distill mode and its undistilled
-            # twin): distinct dashes, markers and a small vertical offset keep every line visible where they overlap.
-            xs, ys = _cdf(run["length"][i] for i in idx)
-            offset = 0.006 * (k - (len(runs) - 1) / 2)
-            ax.step(xs, [y + offset for y in ys], where="post", label=run["mode"], lw=1.3,
-                    ls=_LINESTYLES[k % len(_LINESTYLES)], marker=_MARKERS[k % len(_MARKERS)],
-                    markevery=max(1, len(xs) // 8), markersize=4)
-        ax.axvline(results["budget"][family], color="k", lw=0.8, ls=":", label="budget")
-        ax.set_title(family)
-        ax.set_xlabel("output tokens (incl. EOS)")
-        ax.set_ylim(0, 1.04)
-        ax.legend(fontsize=7, loc="lower right")
-    axes[0][0].set_ylabel("share of problems")
-    fig.suptitle(f"output length CDF, keep set {keep_set}" if keep_set else "output length CDF, full model")
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
+    plot(results, keep_set, path)
 
 
 SUMMARY_METRICS = ("accuracy", "median_length", "p90_length", "hit_budget")
