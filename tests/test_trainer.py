@@ -349,3 +349,19 @@ def test_training_data_from_a_local_jsonl_through_datasets(tmp_path):
     summary = run_train(cfg)
     assert summary["steps"] == 2 and summary["num_too_short"] == 0
     assert summary["tokens_seen"] > 0
+
+
+def test_console_shows_mean_train_loss_and_held_out_loss_and_the_run_draws_its_loss_curve(tmp_path, caplog):
+    """Issue 26 item 6: one step's loss is noise (0.00004 to 0.75); the console shows the mean since its last line and
+    the held-out loss at each eval; summary.json stays small (metrics.jsonl has every step); loss_curve.png."""
+    with caplog.at_level("INFO", logger="slimwise"):
+        summary = run_train(make_cfg(tmp_path, "distill.max_steps=4", "distill.log_every=2", "distill.eval_every=2",
+                                     "distill.export=false"))
+    means = [r.getMessage() for r in caplog.records if "train loss" in r.getMessage()]
+    assert means and all("mean of" in m for m in means)
+    assert "(ce" in means[-1] and "mean of 2 steps" in means[-1]
+    held_out = [r.getMessage() for r in caplog.records if "held-out loss" in r.getMessage()]
+    assert [m.split()[1] for m in held_out] == ["0", "2", "4"]  # the untrained student, then every eval
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert "history" not in written and len(summary["history"]) == 4
+    assert (tmp_path / "loss_curve.png").stat().st_size > 5000

@@ -673,6 +673,7 @@ class Trainer:
         history: list[dict] = []
         step_seconds: list[float] = []  # completed (not skipped) steps of this run
         window_fractions: list[float] = []
+        window_losses: list[dict] = []  # the steps since the last console line
         # a context: an error mid-training ends the bar's line first, so the one error line stands on its own
         with tqdm(total=max_steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
                   disable=not (cfg.progress and du.is_rank0())) as bar:
@@ -686,13 +687,21 @@ class Trainer:
                 if "step_seconds" in metrics:
                     step_seconds.append(metrics["step_seconds"])
                 history.append({"step": self.step, **{k: v for k, v in metrics.items() if k in ("loss", "kl", "ce")}})
+                if "loss" in metrics:
+                    window_losses.append(metrics)
                 if self.step % int(d.log_every) == 0 or self.step == max_steps or self.step == first_step + 1:
                     self.sink.log(self.step, metrics, {"split_fraction": window_fractions})
                     window_fractions = []
-                    if "loss" in metrics:
-                        log.info("step %d/%d loss %.5f (ce %.4f kl %.5f) grad %.3g lr %.3g pad %.2f %.0f tok/s", self.step,
-                                 max_steps, metrics["loss"], metrics["ce"], metrics["kl"], metrics["grad_norm"],
-                                 metrics["lr"], metrics["student_pad_share"], metrics["cont_tokens_per_s"])
+                    if window_losses:
+                        # One step's loss swings by orders of magnitude with its continuation lengths (a step of 21
+                        # loss tokens read 2.6e-6): the console shows the mean since the last line; metrics.jsonl
+                        # keeps every step.
+                        mean = {k: sum(m[k] for m in window_losses) / len(window_losses) for k in ("loss", "ce", "kl")}
+                        log.info("step %d/%d train loss %.5f (ce %.4f kl %.5f; mean of %d steps) grad %.3g lr %.3g "
+                                 "pad %.2f %.0f tok/s", self.step, max_steps, mean["loss"], mean["ce"], mean["kl"],
+                                 len(window_losses), metrics.get("grad_norm", float("nan")), metrics["lr"],
+                                 metrics["student_pad_share"], metrics["cont_tokens_per_s"])
+                        window_losses = []
                 if self.step % int(d.eval_every) == 0 or self.step == max_steps:
                     self._log_eval()
                 if self.step % int(d.save_every) == 0 or self.step == max_steps:
@@ -708,6 +717,9 @@ class Trainer:
     def _log_eval(self) -> None:
         self.last_eval = self.evaluate()
         self.sink.log(self.step, self.last_eval)
+        if "eval/loss" in self.last_eval:
+            log.info("step %d held-out loss %.5f (ce %.4f kl %.5f)", self.step, self.last_eval["eval/loss"],
+                     self.last_eval.get("eval/ce", float("nan")), self.last_eval.get("eval/kl", float("nan")))
 
     def _finish(self, history, train_seconds: float, first_step: int, step_seconds: list[float]) -> dict:
         if self.last_eval is None:  # resumed from the final checkpoint: no step ran, so measure the end state once
@@ -737,15 +749,31 @@ class Trainer:
             "keep_set": list(self.keep_set.num_kept),
             # who prefilled the prefix in training (distill.prefix_from): tells the two trainings apart for evals
             "prefix_from": str(self.cfg.distill.prefix_from),
-            "history": history,
+            "history": history,  # returned to callers; summary.json leaves it out (metrics.jsonl has every step)
         }
         if du.is_rank0() and self.cfg.distill.export:
             self._export(trainable)
         if du.is_rank0():
-            write_json_atomic(self.output_dir / "summary.json", summary)
-            self.sink.summary({k: v for k, v in summary.items() if k != "history"})
+            written = {k: v for k, v in summary.items() if k != "history"}
+            write_json_atomic(self.output_dir / "summary.json", written)
+            self.sink.summary(written)
+            self._plot_loss_curve()
         du.barrier()
         return summary
+
+    def _plot_loss_curve(self) -> None:
+        """loss_curve.png beside metrics.jsonl: train loss (raw and smoothed) and the held-out loss at each eval."""
+        from slimwise_train.distill.curves import plot_training_curves  # written atomically
+
+        metrics = self.output_dir / "metrics.jsonl"
+        if not metrics.is_file():
+            return
+        try:
+            plot_training_curves(metrics, self.output_dir / "loss_curve.png")
+        except ValueError as exc:  # no loss rows (a resumed run with no step left): nothing to draw
+            log.info("no loss curve: %s", exc)
+        else:
+            log.info("loss curve: %s", self.output_dir / "loss_curve.png")
 
     def _export(self, trainable: dict) -> None:
         from slimwise_train.distill.export import export_student, load_student, save_trainable

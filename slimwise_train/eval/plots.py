@@ -12,12 +12,13 @@ Every mode keeps one colour, line style and marker in every figure (`mode_styles
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from slimwise_train.distill.curves import ema, log_scale, plot_training_curves, read_metrics, smoothing_span  # noqa: F401
 from slimwise_train.eval.report import BOUND_BATCH, _decode_pruned, expert_bytes_bound, rows_for
+from slimwise_train.utils.plotting import pyplot as _pyplot, save_png as _save
 
 # One look per mode: full is black and drawn on top; a distill mode shares its undistilled twin's hue family.
 MODE_STYLES = {
@@ -57,24 +58,6 @@ def mode_styles(modes: Sequence[str]) -> dict[str, dict]:
         styles[mode] = {"color": color, "ls": ls, "marker": marker}
         used.add((ls, marker))
     return styles
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: str | Path, dpi: int = 120) -> None:
-    from slimwise_train.utils.atomic import atomic_path
-
-    plt = _pyplot()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=dpi)
-    plt.close(fig)
 
 
 def _by_mode(results: dict, keep_set: str | None) -> dict[str, dict[str, dict]]:
@@ -349,93 +332,6 @@ def plot_family_accuracy(results: dict, keep_set: str | None, path: str | Path, 
 
 
 # ----------------------------------------------------------------------------------------------- training
-def read_metrics(metrics_jsonl_path: str | Path) -> tuple[dict[int, float], dict[int, float], int]:
-    """({step: train loss}, {step: held-out loss}, unreadable lines) of a trainer's metrics.jsonl. A step logged
-    twice (a resumed run logs again from its checkpoint) keeps its last value; non-finite losses are dropped."""
-    train, held_out, bad = {}, {}, 0
-    for line in Path(metrics_jsonl_path).read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by a kill mid-write
-            bad += 1
-            continue
-        if not isinstance(row, dict) or "step" not in row:
-            continue
-        for key, into in (("loss", train), ("eval/loss", held_out)):
-            value = row.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                into[int(row["step"])] = float(value)
-    return dict(sorted(train.items())), dict(sorted(held_out.items())), bad
-
-
-def ema(values: Sequence[float], span: int) -> list[float]:
-    """Bias-corrected exponential moving average (alpha = 2 / (span + 1)), as TensorBoard's smoothing: the first
-    values are not pulled toward 0."""
-    alpha, avg, weight, out = 2 / (span + 1), 0.0, 0.0, []
-    for v in values:
-        avg = (1 - alpha) * avg + alpha * v
-        weight = (1 - alpha) * weight + alpha
-        out.append(avg / weight)
-    return out
-
-
-def smoothing_span(n: int) -> int:
-    """EMA span for n logged steps: a tenth of the run, at least 3."""
-    return max(3, round(n / 10))
-
-
-def log_scale(train: Sequence[float], held_out: Sequence[float]) -> bool:
-    """Whether the losses span more than a decade: the held-out losses and the train losses between their 5th and
-    95th percentiles (from 20 logged steps on; a few steps with a handful of loss tokens log losses near 0 and
-    would otherwise turn a readable linear axis into six decades)."""
-    train = sorted(v for v in train if v > 0)
-    if len(train) >= 20:
-        train = train[int(0.05 * (len(train) - 1)):math.ceil(0.95 * (len(train) - 1)) + 1]
-    values = [*train, *(v for v in held_out if v > 0)]
-    return bool(values) and max(values) / min(values) > 10
-
-
-def plot_training_curves(metrics_jsonl_path: str | Path, path: str | Path, title: str | None = None) -> None:
-    """Train loss per logged step (thin, light), its smoothed trend (EMA, `smoothing_span`), and the held-out loss
-    at each evaluation (markers, first and last value written), from a training run's metrics.jsonl; log y when
-    the losses span more than one decade (`log_scale`). A pure function of the file: ValueError when it has no
-    loss rows."""
-    plt = _pyplot()
-    train, held_out, bad = read_metrics(metrics_jsonl_path)
-    if not train and not held_out:
-        raise ValueError(f"{metrics_jsonl_path}: no 'loss' or 'eval/loss' rows to plot")
-    fig, ax = plt.subplots(figsize=(7.6, 4.4))
-    if train:
-        steps, losses = list(train), list(train.values())
-        ax.plot(steps, losses, color="#1f77b4", lw=0.8, alpha=0.35, label="train loss (each logged step)",
-                zorder=2)
-        if len(losses) >= 2:
-            span = smoothing_span(len(losses))
-            ax.plot(steps, ema(losses, span), color="#1f77b4", lw=2.0,
-                    label=f"train loss, smoothed (EMA over {span} logged steps)", zorder=3)
-    if held_out:
-        steps, losses = list(held_out), list(held_out.values())
-        ax.plot(steps, losses, color="#d62728", lw=1.5, marker="o", markersize=5,
-                label="held-out loss (eval/loss, each evaluation)", zorder=4)
-        ends = [(steps[0], losses[0], 4, "left")] + ([(steps[-1], losses[-1], -4, "right")] if len(steps) > 1 else [])
-        for step, loss, dx, ha in ends:
-            ax.annotate(f"{loss:.4g}", (step, loss), xytext=(dx, 7), textcoords="offset points", ha=ha,
-                        fontsize=8, color="#d62728")
-    if log_scale(list(train.values()), list(held_out.values())):
-        ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("distillation loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
-    ax.grid(alpha=0.25, lw=0.5)
-    ax.legend(fontsize=8, framealpha=0.85)
-    name = title or f"training loss, {Path(metrics_jsonl_path).resolve().parent.name}"
-    ax.set_title(name + (f" ({bad} unreadable lines skipped)" if bad else ""), fontsize=10)
-    fig.tight_layout()
-    _save(fig, path)
-
-
-# ----------------------------------------------------------------------------------------------- sweeps
 def sweep_points(results: dict) -> dict[str, list[tuple[float, float]]]:
     """{mode: [(pruning ratio, pooled accuracy)] sorted by ratio} over the keep sets of one eval results dict;
     the ratio is 1 - the keep set's keep fraction. The full model (no keep set) is {'full': [(0.0, acc)]}."""
