@@ -48,15 +48,15 @@ class ModelConfig:
     # `${tiny_unless_path:<type>,${.path}}`, so a model.path override replaces the random model; a preset that
     # sets both literally is an error.
     tiny: Optional[str] = None
-    tiny_overrides: dict = field(default_factory=dict)
+    tiny_overrides: dict = field(default_factory=dict)  # config.json fields a tiny preset overrides
     tokenizer: Optional[str] = None  # defaults to `path`; tiny models default to the shipped synthetic tokenizer
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    revision: Optional[str] = None
-    trust_remote_code: bool = False
+    revision: Optional[str] = None  # hub revision (branch, tag or commit) of model.path
+    trust_remote_code: bool = False  # allow the checkpoint's own modelling code (hub models that need it)
     experts_implementation: Optional[str] = None  # transformers backend: grouped_mm, eager, batched_mm, ...
     # prune / eval only: `auto` spreads one model over the node's GPUs (accelerate), for a model bigger than a GPU.
     device_map: Optional[str] = None
-    seed: int = 0
+    seed: int = 0  # seed of a tiny preset's random weights
     # The model's config.json shipped in the package (slimwise_train/assets/configs/<preset>.json): what
     # `python -m slimwise_train.plan` builds on the meta device, offline. Real presets set it; null elsewhere.
     architecture: Optional[str] = None
@@ -65,15 +65,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "synthetic"  # recipe name (data_recipes/<name>.yaml), hub id, or local .jsonl/.json/.parquet/.txt
-    split: str = "train"
-    subset: Optional[str] = None
+    split: str = "train"  # the dataset split read for training (hub or named splits)
+    subset: Optional[str] = None  # the dataset's configuration name (hub datasets with several)
     text_field: Optional[str] = None  # plain-text column; default: messages / prompt+answer / text
-    num_samples: int = 256
-    seq_len: int = 256
-    batch_size: int = 8
+    num_samples: int = 256  # rows read (before the held-out cut)
+    seq_len: int = 256  # tokens per sequence; longer rows are truncated (counted in the log)
+    batch_size: int = 8  # sequences per micro-batch (per rank)
     chat_template: bool = True  # apply the tokenizer's chat template when it has one
-    seed: int = 1234
-    shuffle: bool = True
+    seed: int = 1234  # seed of the row shuffle and of the synthetic suite's stream
+    shuffle: bool = True  # shuffle the rows before the held-out cut
 
 
 @dataclass
@@ -84,7 +84,7 @@ class PruneConfig:
     keep_set: Optional[str] = None  # trainer/eval: an existing keep_set.json instead of scoring
     scores: Optional[str] = None  # reuse an existing scores.safetensors instead of calibrating
     cache_dir: str = ".cache/slimwise/scores"  # statistics cache keyed by model + calibration data
-    use_cache: bool = True
+    use_cache: bool = True  # reuse cached statistics for the same weights and calibration data
     # Scoring refuses a calibration set with fewer real (non-padding) tokens: a keep set from a handful of tokens
     # is noise. 1024 is a floor for smoke runs; real checkpoints calibrate on ~1M (presets: 1024 x 2048).
     min_calibration_tokens: int = 1024
@@ -101,7 +101,7 @@ class TrainableConfig:
     # experts where the student has no shared expert (the families without a slot), else the always-on tensors only.
     name: Annotated[str, TrainablePreset] = "auto"
     lora: Annotated[Optional[str], LoraKind] = "auto"  # set by the preset
-    rank: int = 8
+    rank: int = 8  # LoRA rank
     alpha: float = 16.0  # LoRA scale alpha / rank
     # experts / auto: fused expert tensor names (gate_up_proj, down_proj); attention: Linear names under self_attn
     targets: List[str] = field(default_factory=lambda: ["gate_up_proj", "down_proj"])
@@ -111,8 +111,8 @@ class TrainableConfig:
 class DistillConfig:
     # loss: ce_weight x CE + kl_weight x KL(teacher || student) over the teacher's top_k + one residual bucket
     ce_weight: float = 0.1
-    kl_weight: float = 0.9
-    top_k: int = 64
+    kl_weight: float = 0.9  # weight of KL(teacher || student) on the teacher's top-k + residual bucket
+    top_k: int = 64  # teacher tokens kept per position for the KL (the rest in one residual bucket)
     kl_loss: str = "topk_residual_kl"  # topk_residual_kl | full_kl
     chunk_size: int = 1024  # loss rows per chunk (bounded memory at a 152k vocabulary)
     # student: what trains (all three kinds by default)
@@ -120,8 +120,8 @@ class DistillConfig:
     # where the shared expert goes (SharedExpertMode above): auto = native where the family has a slot (Qwen2-MoE,
     # Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, Gemma 4), else none. Every mode but `new` exports the stock class.
     shared_expert_mode: Annotated[str, SharedExpertMode] = "auto"
-    train_routers: bool = True
-    train_norms: bool = True
+    train_routers: bool = True  # train a delta on every router (W + dW)
+    train_norms: bool = True  # train a delta on every RMSNorm weight (w + dw)
     # all: every RMSNorm with a weight (incl. q/k norms) | layer: decoder-layer norms + final
     norm_scope: Annotated[str, NormScope] = "all"
     train_shared_expert: bool = True  # false: no shared expert, whatever shared_expert_mode says (= mode none)
@@ -141,29 +141,29 @@ class DistillConfig:
     prefix_from: Annotated[str, PrefixFrom] = "teacher"
     # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation]
     min_split: int = 1
-    min_continuation: int = 2
-    split_after_prompt: bool = False
+    min_continuation: int = 2  # fewest continuation tokens after the split point
+    split_after_prompt: bool = False  # split after the prompt (prompt/answer rows)
     bucket_windows: int = 8  # length bucketing: sort windows of this many global batches by length
     # optimisation
-    lr: float = 1e-3
+    lr: float = 1e-3  # peak AdamW learning rate (after warmup_steps)
     min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio x lr at max_steps
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    warmup_steps: int = 10
-    max_steps: int = 100
+    weight_decay: float = 0.0  # AdamW weight decay
+    adam_beta1: float = 0.9  # AdamW beta1
+    adam_beta2: float = 0.999  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+    warmup_steps: int = 10  # linear warm-up steps to lr
+    max_steps: int = 100  # optimizer steps of the run
     grad_clip: float = 1.0  # explicit for every engine; 0 disables clipping
-    grad_accum: int = 1
+    grad_accum: int = 1  # micro-batches per optimizer step (per rank)
     max_nan_steps: int = 3  # a non-finite loss skips the step; this many in a row aborts the run
     # evaluation, logging, checkpoints, export
-    eval_every: int = 50
+    eval_every: int = 50  # optimizer steps between held-out evaluations
     eval_batches: int = 4  # per rank
     eval_split: str = "eval"  # split of data.source for the held-out loss; = data.split: held out of the training read
-    eval_samples: int = 64
-    log_every: int = 10
-    save_every: int = 50
-    keep_checkpoints: int = 2
+    eval_samples: int = 64  # held-out sequences for the eval loss
+    log_every: int = 10  # optimizer steps between metrics rows and console lines
+    save_every: int = 50  # optimizer steps between checkpoints
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
     export: bool = True  # write export/ (HF checkpoint) and student_trainable.safetensors at the end
     check_frozen: bool = True  # hash every frozen tensor at start and end (and on resume); costs one pass over them
     # prune.keep_set scored on other weights than this run's model (its meta.model names another checkpoint, seed or
@@ -194,12 +194,12 @@ class EngineConfig:
 @dataclass
 class LoggerConfig:
     name: str = "none"  # none (metrics.jsonl only) | wandb (metrics.jsonl + W&B)
-    project: str = "slimwise"
-    entity: Optional[str] = None
-    run_name: Optional[str] = None
+    project: str = "slimwise"  # W&B project
+    entity: Optional[str] = None  # W&B entity (team or user); null: the API key's default
+    run_name: Optional[str] = None  # W&B run name; null: <criterion>-r<ratio>
     group: Optional[str] = None  # W&B group; logger=wandb: ${sweep_group:} (the multirun's sweep, none in a single run)
     mode: str = "auto"  # auto: online with WANDB_API_KEY, else offline | online | offline | disabled
-    tags: list = field(default_factory=list)
+    tags: list = field(default_factory=list)  # W&B tags
 
 
 @dataclass
@@ -223,7 +223,7 @@ class TrainAppConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     output_dir: str = MISSING
     resume: str = "auto"  # auto: newest complete checkpoint in output_dir | never | <checkpoint folder>
-    seed: int = 0
+    seed: int = 0  # seed of data order, split points and initialisation
     device: str = "auto"
     cpu_threads: Optional[int] = None  # torch intra-op threads when running on CPU; None: torch's default
     progress: bool = True  # a step progress bar on rank 0 (stderr)
@@ -239,15 +239,15 @@ class EvalConfig:
     modes: List[str] = field(default_factory=lambda: ["full", "conventional", "slimwise", "reverse",
                                                       "conventional_distill", "slimwise_distill"])
     student: Optional[str] = None  # exported student checkpoint folder (from_pretrained) for the *_distill modes
-    families: List[str] = field(default_factory=lambda: ["math", "code", "tool"])
+    families: List[str] = field(default_factory=lambda: ["math", "code", "tool"])  # suite families evaluated
     num_per_family: int = 200  # held-out problems per family
     seed: Optional[int] = None  # held-out stream seed; null: the recipe's eval seed (the split training excludes)
     recipe: Optional[str] = None  # synthetic recipe YAML (family params); null: data_recipes/synthetic.yaml
     # max new tokens: an int, {family: int} (e.g. the lm-eval tasks' max_gen_toks), or null: budget_factor x the
     # longest reference answer, per family
     budget: Optional[Any] = None
-    budget_factor: float = 2.0
-    batch_size: int = 32
+    budget_factor: float = 2.0  # budget = budget_factor x the longest reference answer, per family (eval.budget=null)
+    batch_size: int = 32  # problems generated together (left-padded batch)
     save_generations: bool = False  # also write generations.jsonl (every output text, per mode and keep set)
 
 
@@ -276,7 +276,7 @@ class PlanAppConfig:
     # The micro-batch's prefix and continuation widths; null: the split rule's worst case (a min_split-token prefix,
     # data.seq_len - min_split continuation tokens).
     prefix_tokens: Optional[int] = None
-    continuation_tokens: Optional[int] = None
+    continuation_tokens: Optional[int] = None  # null: the split rule's worst case
     # The framework's baseline per rank in MiB; null: the calibrated default (CPU: the bench's B; GPU: an estimate).
     baseline_mib: Optional[float] = None
     json_only: bool = False  # print only the JSON line
