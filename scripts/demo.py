@@ -94,18 +94,22 @@ def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[fl
     if BENCH:
         cmd = [sys.executable, "-m", "slimwise_train.bench", "decode", "--batches", str(BATCH), "--ratios", str(ratio),
                "--experts", str(experts), "--top-k", str(top_k)]
-        print(f"\n=== bench decode: {' '.join(cmd)}", flush=True)
+        print(f"\n=== bench decode: {' '.join(cmd)}\n(about 1-2 min on 2 cores: the full and pruned decode steps "
+              "timed in interleaved rounds, after a measurement of this machine's copy and matmul rates)", flush=True)
         start = time.time()
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        # stderr streams through (the bench's progress: a line per batch size); stdout carries the result line
+        proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
         timings["bench decode"] = round(time.time() - start, 1)
         if proc.returncode != 0:
-            raise SystemExit(f"demo: bench decode failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+            raise SystemExit(f"demo: bench decode failed (exit {proc.returncode}); see its output above")
         result = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"bench"')][-1])
         row = next(r for r in result["results"] if r["batch"] == BATCH)
+        low, high = row.get("speedup_quartiles", {}).get(str(ratio), (None, None))
+        noise = f"; quartiles over its {row['repeats']} rounds {low}-{high}x" if low is not None else ""
         return row["speedup"][str(ratio)], (
             f"measured in this run by `bench decode` (one decode step at batch {BATCH}, {experts} experts top-{top_k} "
-            f"as the teacher routes, {kept} kept; serving-scale expert matrices H1024 x I768 fp32, static KV cache; "
-            f"bytes bound {row['bytes_bound'][str(ratio)]}x)")
+            f"as the teacher routes, {kept} kept; serving-scale expert matrices H1024 x I768 fp32, static KV cache{noise}; "
+            f"bytes bound {row['bytes_bound'][str(ratio)]}x; a busy machine measures less: compare runs on a quiet one)")
     bound = touched_experts(experts, top_k, BATCH) / touched_experts(kept, top_k, BATCH)
     return bound, (f"expert-bytes model, NOT measured (DEMO_BENCH=0): experts read per step at batch {BATCH} under "
                    f"uniform top-{top_k} routing, {experts} vs {kept} experts")
@@ -210,6 +214,14 @@ def image(plots: dict[str, list[str]], kind: str) -> list[str]:
     return [f"![{name}]({name})\n" for name in plots.get(kind, [])] or ["(no figure)"]
 
 
+def reproduce_command() -> str:
+    """`make demo`, with the DEMO_* settings this run was given (a report of a shortened run must not claim the
+    default one)."""
+    knobs = [f"{name}={os.environ[name]}" for name in ("DEMO_STEPS", "DEMO_EVAL_N", "DEMO_RATIO", "DEMO_TEACHER",
+                                                       "DEMO_BENCH") if name in os.environ]
+    return " ".join([*knobs, "make demo"])
+
+
 def main() -> int:
     if OUT.exists():
         shutil.rmtree(OUT)
@@ -250,7 +262,7 @@ def main() -> int:
         "## Accuracy per family", "", *image(plots, "family_accuracy"), "",
         "## Distillation log", "", *image(plots, "training_curves"), *training_summary(train_dir), "",
         "## Length distributions", "", *image(plots, "lengths"), "",
-        "## Reproduce", "", "```", "make demo", "```",
+        "## Reproduce", "", "```", reproduce_command(), "```",
     ]
     (OUT / "report.md").write_text("\n".join(lines) + "\n")
     print("\n" + (OUT / "report.md").read_text())

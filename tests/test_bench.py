@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +86,34 @@ def test_paired_ratio_is_the_median_of_per_round_ratios():
     # Per-round ratios 2, 4, 3 -> median 3; the ratio of the medians would be 4 / 1 = 4.
     times = {"full": [2.0, 4.0, 6.0], "pruned": [1.0, 1.0, 2.0]}
     assert _paired_ratio(times, "full", "pruned") == 3.0
+
+
+def test_the_speedup_carries_its_quartiles_over_rounds(capsys):
+    from slimwise_train.bench.common import paired_ratio_quartiles
+
+    # per-round ratios 1, 2, 3, 4, 5: quartiles (inclusive) 2 and 4
+    times = {"full": [1.0, 2.0, 3.0, 4.0, 5.0], "pruned": [1.0] * 5}
+    assert paired_ratio_quartiles(times, "full", "pruned") == (2.0, 4.0)
+    assert paired_ratio_quartiles({"a": [3.0], "b": [1.5]}, "a", "b") == (2.0, 2.0)
+    assert main(["decode", *TINY["decode"]]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["results"][-1]
+    for ratio, speed in row["speedup"].items():
+        low, high = row["speedup_quartiles"][ratio]
+        assert low <= speed <= high
+
+
+def test_the_demo_report_names_the_settings_it_ran_with(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo_script", Path(__file__).resolve().parents[1] / "scripts" / "demo.py")
+    for name in ("DEMO_STEPS", "DEMO_EVAL_N", "DEMO_RATIO", "DEMO_TEACHER", "DEMO_BENCH"):
+        monkeypatch.delenv(name, raising=False)
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    assert demo.reproduce_command() == "make demo"
+    monkeypatch.setenv("DEMO_STEPS", "100")
+    monkeypatch.setenv("DEMO_EVAL_N", "20")
+    assert demo.reproduce_command() == "DEMO_STEPS=100 DEMO_EVAL_N=20 make demo"
 
 
 def test_bench_loss_measures_the_naive_memory_on_fewer_tokens(capsys):

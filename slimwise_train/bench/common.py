@@ -96,3 +96,13 @@ def _paired_ratio(times: dict[str, list[float]], numerator: str, denominator: st
     medians would take it in whenever it hits one variant's rounds more than the other's."""
     return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
 
+
+def paired_ratio_quartiles(times: dict[str, list[float]], numerator: str, denominator: str) -> tuple[float, float]:
+    """The 25th and 75th percentile over rounds of the within-round ratio `_paired_ratio` takes the median of: the
+    run's own noise estimate for that ratio (equal quartiles with a single round)."""
+    ratios = sorted(a / b for a, b in zip(times[numerator], times[denominator]))
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[2]
+

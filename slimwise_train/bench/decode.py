@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from slimwise_train.bench.common import _paired_ratio, bench_model, interleaved_times
+from slimwise_train.bench.common import _paired_ratio, bench_model, interleaved_times, paired_ratio_quartiles
 from slimwise_train.bench.roofline import decode_shape, measure_machine, step_bound_s
 
 
@@ -126,6 +126,7 @@ def run_decode(args) -> dict:
         # part of the step that pruning shrinks; the rest (attention over the cache, router, LM head) it does not.
         row["experts_share_of_step"] = round(expert_med["full"] * len(layers) / med["full"], 3)
         row["speedup"] = {}
+        row["speedup_quartiles"] = {}  # over rounds: the noise of the ratio on this machine, in this run
         row["experts_only_speedup"] = {}
         row["bytes_bound"] = {}
         row["bound_efficiency"] = {}
@@ -143,6 +144,7 @@ def run_decode(args) -> dict:
             bound = experts_full / experts_pruned
             speed = _paired_ratio(times, "full", f"pruned_{r}")
             row["speedup"][str(r)] = round(speed, 3)
+            row["speedup_quartiles"][str(r)] = [round(q, 3) for q in paired_ratio_quartiles(times, "full", f"pruned_{r}")]
             row["experts_only_speedup"][str(r)] = round(_paired_ratio(expert_times, "full", f"pruned_{r}"), 3)
             row["bytes_bound"][str(r)] = round(bound, 3)
             row["bound_efficiency"][str(r)] = round(speed / bound, 3)
