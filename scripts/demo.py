@@ -17,6 +17,7 @@ DEMO_BENCH=0 (skip step 4: the speedup then comes from the expert-bytes model, l
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -161,13 +162,32 @@ def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: P
                         "bytes: `python -m slimwise_train.bench engine` measures a Qwen3-30B-A3B-sized layer."]
 
 
+def shared_expert_cost(export_dir: Path) -> str:
+    """What a student's shared expert adds to every decode step, as a number: its parameters against the routed
+    experts' (a step reads the shared expert always, the routed ones only where routed)."""
+    from safetensors import safe_open
+
+    shared = routed = 0
+    for file in sorted(export_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                size = math.prod(handle.get_slice(name).get_shape())
+                if "shared_expert" in name:
+                    shared += size
+                elif ".experts." in name or name.endswith(".experts"):
+                    routed += size
+    if not shared:
+        return "no shared-expert tensors found in the export"
+    return f"{shared:,} parameters, {shared / max(routed, 1):.1%} of the kept routed experts', read every step"
+
+
 def mode_table(eval_dir: Path, speedup: float, source: str, student_dir: Path) -> list[str]:
     """What each mode buys (decode-step speed) next to what it costs (accuracy, lengths), pooled over families."""
     results = json.loads((eval_dir / "results.json").read_text())
     # what the distilled decoder adds to the pruned one: a shared expert (read per step) or nothing (LoRA merged)
     info_file = student_dir / "slimwise_export.json"
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
-    student_note = ("+ its shared expert" if info.get("shared_expert")
+    student_note = (f"+ its shared expert: {shared_expert_cost(student_dir)}" if info.get("shared_expert")
                     else f"{info.get('trainable', '?')} merged: the pruned model's size")
     rows = {r["mode"]: r for r in results["rows"] if r["family"] == "all"}
     lines = [f"| mode | prefill pool | decode pool | decode step at batch {BATCH} | accuracy | median / p90 length | "

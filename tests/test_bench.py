@@ -158,3 +158,21 @@ def test_bench_memory_reports_every_rank_and_the_targets(capsys):
     summary = lines[-1]
     assert summary["bench"] == "memory" and isinstance(summary["targets_met"], bool)
     assert len(summary["targets"]) == 5
+
+
+def test_the_demo_gives_the_cost_of_a_shared_expert_as_a_number(tmp_path):
+    import importlib.util
+
+    from slimwise_train.testing.tiny import tiny_model
+
+    spec = importlib.util.spec_from_file_location("demo_script", Path(__file__).resolve().parents[1] / "scripts" / "demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    model = tiny_model("qwen2_moe")
+    model.save_pretrained(tmp_path / "export")
+    shared = sum(p.numel() for n, p in model.named_parameters() if "shared_expert" in n)
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert demo.shared_expert_cost(tmp_path / "export") == (
+        f"{shared:,} parameters, {shared / routed:.1%} of the kept routed experts', read every step")
+    tiny_model("qwen3_moe").save_pretrained(tmp_path / "plain")
+    assert demo.shared_expert_cost(tmp_path / "plain") == "no shared-expert tensors found in the export"
