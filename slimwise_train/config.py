@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, List, Literal, Optional, get_args, get_origin, get_type_hints
@@ -200,6 +201,14 @@ class LoggerConfig:
     group: Optional[str] = None  # W&B group; logger=wandb: ${sweep_group:} (the multirun's sweep, none in a single run)
     mode: str = "auto"  # auto: online with WANDB_API_KEY, else offline | online | offline | disabled
     tags: list = field(default_factory=list)  # W&B tags
+
+
+def wandb_mode(logger_cfg) -> str:
+    """The W&B mode of `logger.mode` (the trainer's and the eval app's runs): auto is WANDB_MODE when set, else online
+    with a WANDB_API_KEY and offline without one (so a run works without network)."""
+    if logger_cfg.mode != "auto":
+        return logger_cfg.mode
+    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
 @dataclass

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.utils.distributed import is_partitioned
+from slimwise_train.utils.hf import text_config
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer"
@@ -90,7 +91,7 @@ def load_config(model_cfg):
 
         config = from_pretrained_or_explain(AutoConfig.from_pretrained, resolve_path(model_cfg.path),
                                             revision=model_cfg.revision, trust_remote_code=model_cfg.trust_remote_code)
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text_config(config)
 
 
 def load_tokenizer(model_cfg):

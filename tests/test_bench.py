@@ -176,3 +176,18 @@ def test_the_demo_gives_the_cost_of_a_shared_expert_as_a_number(tmp_path):
         f"{shared:,} parameters, {shared / routed:.1%} of the kept routed experts', read every step")
     tiny_model("qwen3_moe").save_pretrained(tmp_path / "plain")
     assert demo.shared_expert_cost(tmp_path / "plain") == "no shared-expert tensors found in the export"
+
+
+def test_bench_models_of_every_family_have_the_asked_experts_and_top_k():
+    """bench_model reads the expert-count and top-k config keys from the family's adapter (no table of families in
+    the bench): every family's model routes the asked top-k of the asked experts."""
+    import torch
+
+    from slimwise_train.bench.common import bench_model
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.testing.tiny import SUPPORTED_TINY
+
+    for model_type in SUPPORTED_TINY:
+        model = bench_model(model_type, 128, 2, 4, 1, 32, 96, torch.device("cpu"))
+        layers = get_adapter(model).moe_layers(model)
+        assert [(m.num_experts, m.top_k) for m in layers] == [(4, 1)] * 2, model_type

@@ -3,6 +3,7 @@ anything, a run refused for bad input leaves the disk as it found it, and the th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -126,3 +127,39 @@ def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_pa
         proc.kill()
     assert proc.returncode != 0
     assert tree(tmp_path) == []
+
+
+def test_a_key_error_is_a_bug_and_bad_input_is_a_value_error(tmp_path, capsys):
+    """KeyError is not a user error (a missing dictionary key is a bug: traceback, not exit 2); the places that
+    reported bad input with a KeyError raise ValueError with the message (no quotes around it)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from slimwise_train.data.synthetic import check_recipe, load_recipe
+    from slimwise_train.moe.keepset import KeepSet
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.prune.statistics import STATS_FORMAT, load_scores
+    from slimwise_train.testing.tiny import tiny_model
+    from slimwise_train.utils.cli import USER_ERRORS, user_errors
+
+    assert KeyError not in USER_ERRORS
+    with pytest.raises(KeyError), user_errors("prog"):
+        {}["missing"]
+    with pytest.raises(SystemExit) as exit_info, user_errors("prog"):
+        raise ValueError("keep set has no layer 7")
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip() == "prog: error: keep set has no layer 7"
+
+    model = tiny_model("qwen3_moe")
+    keep = KeepSet.from_kept(get_adapter(model).moe_layers(model), [[0, 1, 2, 3]] * 2, model_type="qwen3_moe")
+    with pytest.raises(ValueError, match="keep set has no layer 7"):
+        keep.layer(7)
+    scores = tmp_path / "scores.safetensors"
+    save_file({"stats.num_tokens": torch.zeros(2)}, str(scores), metadata={"slimwise": json.dumps(
+        {"format": STATS_FORMAT, "layer_indices": [0, 1], "num_experts": 8, "top_k": 2})})
+    with pytest.raises(ValueError, match="incomplete scores file"):
+        load_scores(scores)
+    recipe = load_recipe()
+    with pytest.raises(ValueError, match="needs splits.eval with n and seed"):
+        check_recipe({**recipe, "splits": {"train": recipe["splits"]["train"]}})
+    with pytest.raises(ValueError, match="needs a `families` mapping"):
+        check_recipe({"splits": recipe["splits"]})

@@ -17,18 +17,19 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from slimwise_train.moe.adapters import SUPPORTED_FAMILIES, get_adapter
+from slimwise_train.moe.adapters import SUPPORTED_FAMILIES, adapter_class, get_adapter
 from slimwise_train.moe.handoff import continue_on_cache, copy_cache, handoff_generate, make_cache_autograd_safe, prefill
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.masking import PhaseMasking
 from slimwise_train.moe.pruning import export_pruned, prune_experts_
 from slimwise_train.moe.stats import record_expert_stats
-from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_VOCAB, tiny_model
+from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_VOCAB, tiny_config, tiny_model
 
 TOL = 1e-4
 UNIFORM = [[0, 2, 5, 7], [1, 3, 4, 6]]
 NON_UNIFORM = [[1, 5, 6], [0, 2, 3, 4, 7]]
-NON_UNIFORM_EXPORTABLE = {"gpt_oss", "deepseek_v3"}
+# The tiny model types whose family can export a non-uniform keep set (padded experts a router bias disables).
+NON_UNIFORM_EXPORTABLE = {mt for mt in SUPPORTED_TINY if adapter_class(mt).supports_non_uniform_export}
 
 families = pytest.mark.parametrize("model_type", SUPPORTED_TINY)
 
@@ -45,6 +46,45 @@ def _keep(model, kept):
 def test_every_issue_family_has_a_tiny_model():
     covered = {get_adapter(tiny_model(mt)).family for mt in SUPPORTED_TINY}
     assert covered == set(SUPPORTED_FAMILIES)
+    assert {"gpt_oss", "deepseek_v3"} <= NON_UNIFORM_EXPORTABLE and "qwen3_moe" not in NON_UNIFORM_EXPORTABLE
+
+
+@families
+def test_the_adapter_names_the_config_keys_and_expert_groups(model_type):
+    """What code outside the adapters used to branch on a family for: the expert-count and top-k keys (the bench's
+    sized models), the expert groups (keep sets and exports), the BOS convention (lm-eval), a dense member."""
+    from slimwise_train.moe.adapters import adapter_class, family_of
+    from slimwise_train.utils.hf import text_config
+
+    config = tiny_config(model_type)
+    adapter = get_adapter(config)
+    assert type(adapter) is adapter_class(model_type) and family_of(model_type) == adapter.family
+    assert getattr(text_config(config), adapter.num_experts_key) == 8
+    assert getattr(text_config(config), adapter.top_k_key) == 2
+    assert adapter.expert_groups(config) == 1 and adapter.has_experts(config)
+    assert adapter.add_bos_token == (adapter.family == "gemma4")  # lm-eval's hf rule: Gemma scores with its BOS
+    grouped = tiny_config(model_type, n_group=2, topk_group=1)
+    assert adapter.expert_groups(grouped) == (2 if adapter.family == "deepseek_v3" else 1)
+
+
+def test_dense_members_and_unknown_types_have_no_adapter():
+    from slimwise_train.moe.adapters import adapter_class
+
+    with pytest.raises(ValueError, match="dense models have no experts"):
+        get_adapter(tiny_config("gemma4_text", enable_moe_block=False))
+    with pytest.raises(ValueError, match="'llama' is not a supported MoE model"):
+        adapter_class("llama")
+
+
+def test_text_config_of_a_model_a_config_and_a_multimodal_config():
+    from transformers import AutoConfig
+
+    from slimwise_train.utils.hf import text_config
+
+    model = tiny_model("qwen3_moe")
+    assert text_config(model) is model.config and text_config(model.config) is model.config
+    wrapper = AutoConfig.for_model("gemma4", text_config=tiny_config("gemma4_text").to_dict())
+    assert text_config(wrapper) is wrapper.get_text_config() and text_config(wrapper).model_type == "gemma4_text"
 
 
 @families
@@ -145,7 +185,7 @@ def exported(tmp_path_factory):
         model = tiny_model(model_type)
         for name, kept in (("uniform", UNIFORM), ("non_uniform", NON_UNIFORM)):
             keep = _keep(model, kept)
-            if name == "non_uniform" and get_adapter(model).family not in NON_UNIFORM_EXPORTABLE:
+            if name == "non_uniform" and model_type not in NON_UNIFORM_EXPORTABLE:
                 continue
             out = export_pruned(model, keep, root / f"{model_type}-{name}")
             masking = PhaseMasking(model, keep)

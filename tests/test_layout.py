@@ -124,3 +124,84 @@ def test_readme_stays_a_users_page():
     assert "make demo" in readme and "make test" in readme  # the two commands
     for doc in ("architecture", "benchmarks", "teacher", "faults", "serving"):
         assert f"docs/{doc}.md" in readme and (PACKAGE.parent / "docs" / f"{doc}.md").is_file()
+
+
+# --------------------------------------------------------------------------- family knowledge lives in the adapters
+
+ADAPTERS_DIR = PACKAGE / "moe" / "adapters"
+# Data keyed by model_type that is a family's own entry, not a branch on it: the tiny random config of each family.
+FAMILY_TABLES_ALLOWED = {PACKAGE / "testing" / "tiny.py"}
+_NAMED = ("family", "model_type")  # an attribute or variable of these names holds a family / model_type
+
+
+def _known_family_names() -> set[str]:
+    from slimwise_train.moe.adapters.families import ADAPTERS
+
+    return {cls.family for cls in ADAPTERS} | {mt for cls in ADAPTERS for mt in cls.model_types}
+
+
+def _string_literals(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+    return []
+
+
+def _named(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr in _NAMED) or (isinstance(node, ast.Name) and node.id in _NAMED)
+
+
+def family_branches(source: str, known: set[str], data_families: set[str], tables_allowed: bool = False) -> list[int]:
+    """Lines of `source` that encode MoE family knowledge: a comparison (==, !=, in, not in, is) or a str
+    startswith/endswith/removeprefix with a known family or model_type literal; `<x>.family` / `<x>.model_type` (or a
+    variable so named) compared with any string literal but the synthetic suite's task families (`data_families`,
+    another meaning of "family"); a `match` case on a known name; a dict literal keyed by a known name (unless
+    `tables_allowed`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            literals = [s for side in sides for s in _string_literals(side)]
+            if set(literals) & known or (any(_named(side) for side in sides) and set(literals) - data_families):
+                lines.append(node.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith", "removeprefix", "removesuffix")):
+            literals = [s for arg in node.args for s in _string_literals(arg)]
+            if _named(node.func.value) or any(lit in known for lit in literals):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and set(_string_literals(node.value)) & known:
+            lines.append(node.value.lineno)
+        elif isinstance(node, ast.Dict) and not tables_allowed:
+            if any(key is not None and set(_string_literals(key)) & known for key in node.keys):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_family_knowledge_outside_the_adapters():
+    """A new family is one adapter (docs/adding-a-family.md): nothing outside moe/adapters/ compares a family or
+    model_type string, so no branch elsewhere waits to be found."""
+    from slimwise_train.data.synthetic import FAMILIES as DATA_FAMILIES
+
+    known, data_families = _known_family_names(), set(DATA_FAMILIES)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if ADAPTERS_DIR in path.parents:
+            continue
+        for line in family_branches(path.read_text(), known, data_families, path in FAMILY_TABLES_ALLOWED):
+            found.append(f"{path.relative_to(PACKAGE.parent)}:{line}")
+    assert found == [], "family knowledge outside moe/adapters/ (give the adapter a method or attribute):\n" + \
+        "\n".join(found)
+
+
+def test_family_scanner_catches_the_old_branches():
+    known, data = {"deepseek_v3", "gemma4", "gemma4_text", "mixtral"}, {"math", "code", "tool"}
+    source = ("groups = cfg.n_group if adapter.family == 'deepseek_v3' else 1\n"          # 1: a known family
+              "key = 'top_k_experts' if model_type == 'gemma4_text' else 'k'\n"          # 2: a known model_type
+              "bos = model.config.model_type.startswith('gemma')\n"                        # 3: prefix of a name
+              "x = {'mixtral': 'num_local_experts'}.get(model_type, 'num_experts')\n"     # 4: a table of families
+              "if config.model_type in ('llama', 'mistral'):\n    pass\n"                   # 5: any model_type literal
+              "if example.family == 'math':\n    pass\n"                                   # 7: the suite's family
+              "if adapter.family != other_family:\n    pass\n")                            # 9: no literal
+    assert family_branches(source, known, data) == [1, 2, 3, 4, 5]
+    assert family_branches(source, known, data, tables_allowed=True) == [1, 2, 3, 5]

@@ -573,6 +573,20 @@ def test_conventional_distilled_loglikelihood_is_the_student_alone(assets):
     lm.masking.remove()
 
 
+def test_lm_evals_modes_are_the_eval_apps_under_its_names():
+    """One mode list (eval/modes.py): lm-eval's MODES, aliases and student modes, and the plots' look of a renamed
+    mode, are derived from the eval app's MODES and LM_EVAL_NAMES."""
+    from slimwise_train.eval import modes as app
+    from slimwise_train.eval.plots import mode_styles
+    from slimwise_train.lm_eval.model import MODE_ALIASES, MODES, STUDENT_MODES
+
+    assert set(app.LM_EVAL_NAMES) <= set(app.MODES)
+    assert MODES == tuple(app.LM_EVAL_NAMES.get(m, m) for m in app.MODES) and MODE_ALIASES == app.LM_EVAL_NAMES
+    assert STUDENT_MODES == tuple(app.LM_EVAL_NAMES.get(m, m) for m in app.STUDENT_MODES)
+    for app_name, lm_eval_name in app.LM_EVAL_NAMES.items():
+        assert mode_styles([lm_eval_name])[lm_eval_name] == mode_styles([app_name])[app_name]
+
+
 def test_unknown_mode_lists_conventional_distilled_and_it_needs_a_student(assets):
     from slimwise_train.lm_eval.model import MODE_ALIASES, MODES, SlimwiseLM
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from slimwise_train.distill.export import export_student, folded_decoder, load_student, save_trainable
+from slimwise_train.distill.export import export_student, folded_decoder, load_trainable, save_trainable
 from slimwise_train.distill.student import SHARED_EXPERT, SLOT_COLUMNS, DistillModel, StudentSpec
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.handoff import continue_on_cache, prefill
@@ -51,7 +51,7 @@ slot_families = pytest.mark.parametrize("model_type", SLOT_FAMILIES)
 
 def test_the_families_with_a_slot():
     assert set(SLOT_FAMILIES) == set(GROWN)
-    assert set(NO_SLOT_FAMILIES) == {"qwen3_moe", "mixtral", "olmoe", "gpt_oss"}
+    assert {"qwen3_moe", "mixtral", "olmoe", "gpt_oss"} <= set(NO_SLOT_FAMILIES)  # a new family without a slot joins
 
 
 def run_fresh(root, names) -> dict:
@@ -199,7 +199,7 @@ def test_native_zero3_export_path_rebuilds_from_the_small_file_and_folds_in_plac
                           student.spec, model_type)
     with safe_open(str(path), "pt") as handle:  # the resolved mode is recorded, never auto
         assert json.loads(handle.metadata()["spec"])["shared_expert_mode"] == "native"
-    rebuilt = load_student(tiny_model(model_type), path)
+    rebuilt = load_trainable(path, tiny_model(model_type))
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(rebuilt(ids, phase="student", use_cache=False),
@@ -220,7 +220,7 @@ def test_a_student_file_from_before_the_mode_existed_loads_as_a_new_shared_exper
     spec = json.loads(meta["spec"])
     del spec["shared_expert_mode"]
     save_file(state, str(path), metadata={**meta, "spec": json.dumps(spec)})
-    assert load_student(tiny_model("qwen2_moe"), path).spec.shared_expert_mode == "new"
+    assert load_trainable(path, tiny_model("qwen2_moe")).spec.shared_expert_mode == "new"
 
 
 @pytest.mark.parametrize("model_type", NO_SLOT_FAMILIES)

@@ -31,6 +31,7 @@ from slimwise_train.plan.memory import (
     kv_cache_bytes,
     plan_from_config,
 )
+from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_CONFIGS
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_PRESETS = {  # preset -> parameters the stock class builds (published sizes; Gemma 4 with its vision tower)
@@ -108,14 +109,21 @@ def test_engines_shard_what_deepspeed_shards():
 
 # --------------------------------------------------------------------------- formulas vs measured tensors (CPU)
 
-FAMILIES = {  # tiny models of every family at a moderate width, 4 layers, both layer kinds where a family has two
-    "qwen3_moe": {}, "qwen2_moe": {}, "mixtral": {}, "olmoe": {"head_dim": 64}, "deepseek_v3": {"head_dim": None},
-    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"] * 2},
-    "qwen3_5_moe_text": {"layer_types": ["linear_attention", "full_attention"] * 2},
-    "gemma4_text": {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 16,
-                    "global_head_dim": 64},
-    "gpt_oss": {"layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 16},
-}
+# Per-family head geometry where the shared width below does not fit the family's attention (OLMoE reads the head
+# width from hidden / heads, DeepSeek's MLA has its own dims, Gemma 4's full layers a global head width).
+HEAD_OVERRIDES = {"olmoe": {"head_dim": 64}, "deepseek_v3": {"head_dim": None}, "gemma4_text": {"global_head_dim": 64}}
+
+
+def _family_shape(model_type: str) -> dict:
+    """Tiny models of every family at a moderate width, 4 layers: both layer kinds twice where the family's tiny
+    config has two (a sliding window of 16 where it has one), so a new family's tiny config is planned here too."""
+    tiny = TINY_CONFIGS[model_type]
+    shape = {"layer_types": list(tiny["layer_types"]) * 2} if "layer_types" in tiny else {}
+    shape.update({"sliding_window": 16} if "sliding_window" in tiny else {})
+    return {**shape, **HEAD_OVERRIDES.get(model_type, {})}
+
+
+FAMILIES = {model_type: _family_shape(model_type) for model_type in SUPPORTED_TINY}  # one tiny model per adapter
 CASES = [(family, "none") for family in FAMILIES] + [("qwen3_moe", "moe"), ("qwen3_moe", "layer"),
                                                       ("gemma4_text", "moe"), ("qwen3_5_moe_text", "layer")]
 

@@ -34,7 +34,7 @@ from transformers import DynamicCache
 
 from slimwise_train.config import DistillConfig, check_distill_config
 from slimwise_train.distill import batches as B
-from slimwise_train.distill.student import text_config
+from slimwise_train.utils.hf import text_config
 from slimwise_train.distill.trainer import Trainer, run_train, validate_train_config
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.handoff import make_cache_autograd_safe

@@ -182,3 +182,28 @@ def test_two_process_statistics_equal_single_process(tmp_path):
         # batch it ran in (each rank batches its own shard): measured ~4e-9 relative apart.
         torch.testing.assert_close(getattr(two, name), getattr(one, name), rtol=1e-6, atol=1e-9)
     assert KeepSet.load(tmp_path / "one" / "keep_set.json") == KeepSet.load(tmp_path / "two" / "keep_set.json")
+
+
+def test_one_function_builds_keep_sets_from_scores_for_every_caller():
+    """keep_set_from_scores is the prune app's, the trainer's and the planner's: groups from the adapter (DeepSeek-V3
+    with n_group=2 keeps each group balanced), top-k from the model, the model's model_type recorded."""
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.prune.criteria import keep_set_from_scores, select_keep
+    from slimwise_train.testing.tiny import tiny_model
+
+    grouped = tiny_model("deepseek_v3", n_group=2, topk_group=1)
+    scores = torch.rand(len(get_adapter(grouped).moe_layers(grouped)), 8, generator=torch.Generator().manual_seed(0))
+    keep = keep_set_from_scores(grouped, scores, 0.5, meta={"criterion": "test"})
+    keep.check_model(grouped)  # group-balanced, or check_keep would refuse it
+    assert keep.model_type == "deepseek_v3" and keep.meta == {"criterion": "test"}
+    assert [lk.kept for lk in keep] == [tuple(k) for k in select_keep(scores, 0.5, 2, "layer", num_groups=2)]
+    assert keep_set_from_scores(grouped, None, 0.5).num_kept == (4,) * len(keep)  # the ratio check, the planner's
+    with pytest.raises(ValueError, match="global cannot keep expert groups balanced"):
+        keep_set_from_scores(grouped, scores, 0.5, "global")
+    plain = tiny_model("qwen3_moe")
+    with pytest.raises(ValueError, match="fewer than the router's top-2"):
+        keep_set_from_scores(plain, None, 0.9)
+    # No caller selects on its own: select_keep is called only inside prune/criteria.py.
+    package = Path(__file__).resolve().parents[1] / "slimwise_train"
+    callers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "select_keep(" in p.read_text())
+    assert callers == ["prune/criteria.py"]

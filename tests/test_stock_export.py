@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from slimwise_train.config import SharedExpertMode, TrainablePreset
-from slimwise_train.distill.export import load_student, save_trainable
+from slimwise_train.distill.export import load_trainable, save_trainable
 from slimwise_train.distill.lora import TRAINABLE_PRESETS
 from slimwise_train.distill.student import SHARED_EXPERT, SLOT_COLUMNS, DistillModel, StudentSpec
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_model
@@ -109,7 +109,7 @@ def test_removed_hooks_leave_the_stock_model_even_after_a_student_forward():
 
 
 def test_student_file_records_the_resolved_preset_and_old_files_keep_theirs(tmp_path):
-    """save_trainable records mode none and LoRA on experts (never auto), so load_student rebuilds the same
+    """save_trainable records mode none and LoRA on experts (never auto), so load_trainable rebuilds the same
     student; a file from before distill.trainable existed (no `lora` key) rebuilds without LoRA, not with the
     new default."""
     model = tiny_model("olmoe")
@@ -121,7 +121,7 @@ def test_student_file_records_the_resolved_preset_and_old_files_keep_theirs(tmp_
         meta = handle.metadata()
     spec = json.loads(meta["spec"])
     assert spec["shared_expert_mode"] == "none" and spec["lora"]["kind"] == "experts"
-    rebuilt = load_student(tiny_model("olmoe"), path)
+    rebuilt = load_trainable(path, tiny_model("olmoe"))
     ids = _ids()
     with torch.no_grad():
         assert torch.equal(rebuilt(ids, phase="student", use_cache=False),
@@ -129,7 +129,7 @@ def test_student_file_records_the_resolved_preset_and_old_files_keep_theirs(tmp_
     old = DistillModel(tiny_model("olmoe"), _keep(model), StudentSpec(shared_expert_mode="new", lora=None))
     old_spec = {k: v for k, v in old.spec.__dict__.items() if k not in ("lora",)}
     save_file(old.trainable_state_dict(), str(path), metadata={**meta, "spec": json.dumps(old_spec)})
-    assert load_student(tiny_model("olmoe"), path).spec.lora is None
+    assert load_trainable(path, tiny_model("olmoe")).spec.lora is None
 
 
 def test_choices_come_from_the_schema_and_bad_values_are_one_line_errors(tmp_path):

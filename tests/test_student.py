@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from slimwise_train.moe.adapters import get_adapter
-from slimwise_train.distill.export import export_student, folded_decoder, load_student, save_trainable
+from slimwise_train.distill.export import export_student, folded_decoder, load_trainable, save_trainable
 from slimwise_train.distill.student import (
     NORM_DELTA,
     ROUTER_DELTA,
@@ -210,7 +210,7 @@ def test_exported_decoder_reloads_in_a_fresh_process(tmp_path):
         # The small file rebuilds the same student on a fresh teacher copy.
         path = save_trainable(tmp_path / name / "student.safetensors", student.trainable_state_dict(), student.keep_set,
                               student.spec, name)
-        rebuilt = load_student(tiny_model(name), path)
+        rebuilt = load_trainable(path, tiny_model(name))
         with torch.no_grad():
             assert torch.equal(rebuilt(ids, phase="student", use_cache=False), student(ids, phase="student", use_cache=False))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -34,6 +34,7 @@ def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: 
 def bench_model(model_type: str, hidden: int, layers: int, experts: int, top_k: int, moe_intermediate: int,
                 vocab: int, device, kv_heads: int | None = None, dtype: torch.dtype = torch.float32):
     """A random stock model of `model_type` with 64-wide heads; `kv_heads` defaults to one per two query heads."""
+    from slimwise_train.moe.adapters import adapter_class
     from slimwise_train.testing.tiny import tiny_model
 
     heads = max(hidden // 64, 1)
@@ -43,10 +44,9 @@ def bench_model(model_type: str, hidden: int, layers: int, experts: int, top_k: 
     overrides = dict(hidden_size=hidden, num_hidden_layers=layers, moe_intermediate_size=moe_intermediate,
                      intermediate_size=moe_intermediate, num_attention_heads=heads,
                      num_key_value_heads=kv_heads, head_dim=64, vocab_size=vocab)
-    key = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts"}.get(
-        model_type, "num_experts")
-    overrides[key] = experts
-    overrides["top_k_experts" if model_type == "gemma4_text" else "num_experts_per_tok"] = top_k
+    family = adapter_class(model_type)  # the config keys that count experts and the router's top-k
+    overrides[family.num_experts_key] = experts
+    overrides[family.top_k_key] = top_k
     return tiny_model(model_type, init_std=0.02, **overrides).to(device=device, dtype=dtype)
 
 

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 FAMILIES = ("math", "code", "tool")
-MODES = ("full", "conventional", "slimwise", "reverse", "distilled")
-APP_MODE = {"distilled": "slimwise_distill"}
+MODES = ("full", "conventional", "slimwise", "reverse", "distilled")  # lm-eval's names (eval/modes.py LM_EVAL_NAMES)
 COMPARED = ("accuracy", "median_length", "p90_length", "max_length", "hit_budget", "first_token_agreement_with_full")
 
 
@@ -71,8 +70,8 @@ def run_lm_eval_bench(args) -> dict:
     python_route = (
         "import sys, time; from slimwise_train.lm_eval import SlimwiseLM, evaluate, task_manager; "
         "teacher, keep, student, n, batch, out = sys.argv[1:7]; manager = task_manager(include_defaults=False); "
-        "tasks = ['slimwise_math', 'slimwise_code', 'slimwise_tool']\n"
-        "for mode in ['full', 'conventional', 'slimwise', 'reverse', 'distilled']:\n"
+        f"tasks = {[f'slimwise_{f}' for f in FAMILIES]!r}\n"
+        f"for mode in {list(MODES)!r}:\n"
         "    extra = {} if mode == 'full' else {'keep_set': keep}\n"
         "    extra.update({'student': student} if mode == 'distilled' else {})\n"
         "    lm = SlimwiseLM(pretrained=teacher, mode=mode, device='cpu', batch_size=int(batch), progress=False, **extra)\n"
@@ -83,13 +82,16 @@ def run_lm_eval_bench(args) -> dict:
                     out / "lm_eval_python.log", label="lm_eval python route, five modes")
     app = json.loads((out / "eval_app" / "results.json").read_text())
     (folder,) = {p.parent for p in (out / "lm_eval").rglob("results_*.json")}
+    from slimwise_train.eval.modes import LM_EVAL_NAMES
+
+    app_mode = {lm_eval: app for app, lm_eval in LM_EVAL_NAMES.items()}  # lm-eval's name -> the eval app's
     cells, mismatches = {}, []
     for route, route_folder in (("cli", folder), ("python", out / "lm_eval_python")):
         for mode in MODES:
             run = [p for p in route_folder.glob(f"slimwise_summary_{mode}*.json")]
             summary = json.loads(max(run, key=lambda p: p.stat().st_mtime).read_text())
             for family in FAMILIES:
-                (row,) = [r for r in app["rows"] if r["mode"] == APP_MODE.get(mode, mode) and r["family"] == family]
+                (row,) = [r for r in app["rows"] if r["mode"] == app_mode.get(mode, mode) and r["family"] == family]
                 ours = summary["tasks"][f"slimwise_{family}"]
                 cell = cells.setdefault(f"{mode}/{family}", {"eval_app": {m: row[m] for m in COMPARED}})
                 cell[f"lm_eval_{route}"] = {m: ours[m] for m in COMPARED}

@@ -41,9 +41,10 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
     from slimwise_train.distill.engine import TorchEngine
     from slimwise_train.distill.losses import IGNORE_INDEX
     from slimwise_train.distill.student import (DistillModel, SharedExpert, StudentSpec, activation_name, find_norms,
-                                                routed_expert_size, text_config)
+                                                routed_expert_size)
     from slimwise_train.distill.trainer import Trainer
     from slimwise_train.moe.handoff import positions_from_mask
+    from slimwise_train.utils.hf import text_config
     from slimwise_train.moe.keepset import KeepSet
     from slimwise_train.moe.pruning import prune_experts_
     from slimwise_train.prune.criteria import num_to_keep

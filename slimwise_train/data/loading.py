@@ -25,6 +25,7 @@ import torch
 import yaml
 
 from slimwise_train.utils import distributed as du
+from slimwise_train.utils.hf import text_config
 
 log = logging.getLogger("slimwise.data")
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "data_recipes"
@@ -261,7 +262,10 @@ def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int, ke
         raise ValueError(f"recipe {recipe.get('name')!r} lists no sources")
     total = sum(float(s.get("weight", 1.0)) for s in sources)
     pairs: list[TextPair] = []
-    for src in sources:
+    for position, src in enumerate(sources):
+        if not (src.get("path") or src.get("id")):
+            raise ValueError(f"recipe {name or recipe.get('name')!r}: sources[{position}] names neither a path nor "
+                             "an id")
         want = max(1, round(num_samples * float(src.get("weight", 1.0)) / total))
         rows = _load_rows(src.get("path") or src["id"], src.get("split", split), src.get("subset"), key=key,
                           recipe=name or recipe.get("name"))
@@ -314,8 +318,7 @@ def encode_all(tokenizer, pairs: list[TextPair], data_cfg) -> list[tuple[list[in
 
 
 def max_positions(model) -> int | None:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "max_position_embeddings", None)
+    return getattr(text_config(model), "max_position_embeddings", None)
 
 
 def check_seq_len(data_cfg, model, key: str = "data") -> None:

@@ -100,7 +100,7 @@ def build_engine(engine_cfg, distill_cfg, module, micro_batch_size: int, device:
 
 
 def _hidden_size(module) -> int:
-    from slimwise_train.distill.student import text_config
+    from slimwise_train.utils.hf import text_config
 
     return text_config(module.model).hidden_size
 

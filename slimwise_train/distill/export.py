@@ -3,7 +3,7 @@
 Two artefacts, written atomically by rank 0 at the end of training:
 
 * `student_trainable.safetensors`: only the trained tensors (router and norm deltas, shared experts, LoRA) plus the
-  keep set and the student spec in its metadata. `load_student(teacher, path)` rebuilds the student on any copy
+  keep set and the student spec in its metadata. `load_trainable(path, teacher)` rebuilds the student on any copy
   of the teacher; this is the small file to ship when the teacher is already deployed (co-located serving).
 * `export/`: a Hugging Face checkpoint of the decode model alone: the kept experts (physically pruned), the routers
   and norms with the trained deltas folded in (W + dW, w + dw), and the shared experts. It expects the teacher's
@@ -45,8 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from slimwise_train.moe.adapters import get_adapter
-from slimwise_train.moe.adapters import _BY_MODEL_TYPE as ADAPTER_BY_MODEL_TYPE
+from slimwise_train.moe.adapters import ADAPTER_BY_MODEL_TYPE, get_adapter
 from slimwise_train.distill.student import (
     NORM_DELTA,
     ROUTER_DELTA,
@@ -55,13 +54,13 @@ from slimwise_train.distill.student import (
     DistillModel,
     SharedExpert,
     StudentSpec,
-    text_config,
 )
 from slimwise_train.distill.lora import merge_lora_, preset_name
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.pruning import check_exportable, prune_experts_
 from slimwise_train.utils.atomic import atomic_dir, atomic_path
 from slimwise_train.utils.fingerprint import model_cache_fingerprint
+from slimwise_train.utils.hf import text_config
 
 TRAINABLE_FORMAT = "slimwise-student-trainable/1"
 PREFIX = "slimwise_"
@@ -221,8 +220,10 @@ def save_trainable(path: str | os.PathLike, state: dict[str, torch.Tensor], keep
     return Path(path)
 
 
-def load_student(teacher: torch.nn.Module, path: str | os.PathLike) -> DistillModel:
-    """The distilled student rebuilt on `teacher` (a fresh copy of the model it was trained from)."""
+def load_trainable(path: str | os.PathLike, teacher: torch.nn.Module) -> DistillModel:
+    """The distilled student rebuilt on `teacher` (a fresh copy of the model it was trained from) from the file
+    `save_trainable` wrote. (An exported student folder is read by `slimwise_train.eval.generation.load_student`,
+    which takes its arguments in the same order: the file first, the model second.)"""
     with safe_open(str(path), "pt") as handle:
         meta = handle.metadata() or {}
         if meta.get("format") != TRAINABLE_FORMAT:

@@ -266,7 +266,7 @@ def export_adapter(student, output_dir: str | os.PathLike, tokenizer=None, overw
     lora = student.spec.lora
     if not lora:
         raise ValueError("export_adapter: this student has no LoRA (distill.trainable=always_on); serve it with "
-                         "student_trainable.safetensors and load_student instead")
+                         "student_trainable.safetensors and load_trainable instead")
     config = copy.deepcopy(student.lora.config)  # names the stock model's tensors and modules
     config.base_model_name_or_path = getattr(student.model.config, "_name_or_path", None) or None
     config.inference_mode = True

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
+from slimwise_train.config import wandb_mode
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import write_text_atomic
 
@@ -71,9 +71,7 @@ class WandbSink(JsonlSink):
         super().__init__(output_dir, resumed_step)
         import wandb
 
-        mode = logger_cfg.mode
-        if mode == "auto":
-            mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        mode = wandb_mode(logger_cfg)
         self._wandb = wandb
         self.run = wandb.init(
             project=logger_cfg.project,

@@ -60,6 +60,7 @@ from slimwise_train.distill.lora import StudentLora, lora_from_config, resolve_l
 from slimwise_train.moe.adapters import NATIVE_SLOT_FAMILIES, MoEAdapter, MoELayer, get_adapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.distributed import full_shape
+from slimwise_train.utils.hf import text_config
 
 PHASES = ("teacher", "student")
 # Attribute names of the added children; export.py and the trainable-tensor file rely on them.
@@ -170,11 +171,6 @@ class SharedExpert(nn.Module):
 
 
 # --------------------------------------------------------------------------- model facts
-
-
-def text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def routed_expert_size(model) -> int:
@@ -307,7 +303,7 @@ class DistillModel(nn.Module):
         super().__init__()
         spec = spec or StudentSpec()
         self.adapter = adapter or get_adapter(model)
-        # The resolved spec (no auto) is what save_trainable records, so load_student rebuilds the same layout.
+        # The resolved spec (no auto) is what save_trainable records, so load_trainable rebuilds the same layout.
         spec = spec.resolved(self.adapter)
         keep_set.check_model(model, self.adapter)
         if not (spec.train_routers or spec.train_norms or spec.train_shared_expert or spec.lora):

@@ -44,12 +44,13 @@ from slimwise_train.distill.engine import build_engine, partitioned_loading, val
 from slimwise_train.distill.lora import lora_from_config, preset_name
 from slimwise_train.distill.losses import KL_LOSSES, distill_loss
 from slimwise_train.distill.metrics import LOGGERS, build_sink
-from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
+from slimwise_train.distill.student import DistillModel, StudentSpec
 from slimwise_train.moe.handoff import cache_layer_kinds, copy_cache, make_cache_autograd_safe, positions_from_mask
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.distributed import full_shape
 from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
+from slimwise_train.utils.hf import text_config
 from slimwise_train.utils.rundir import claim_output_dir
 
 log = logging.getLogger("slimwise.train")
@@ -261,7 +262,7 @@ class Trainer:
     def _resolve_keep_set(self, model) -> KeepSet:
         """prune.keep_set (a keep_set.json), or scored now with the prune library (what makes a ratio sweep work)."""
         from slimwise_train.models import model_identity
-        from slimwise_train.prune.criteria import get_criterion, select_keep, validate_prune_config
+        from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
         from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
 
         cfg = self.cfg
@@ -274,10 +275,7 @@ class Trainer:
                 raise ValueError(f"prune.keep_set={cfg.prune.keep_set}: {exc}") from None
             return keep_set
         validate_prune_config(cfg.prune)
-        layers = adapter.moe_layers(model)
-        groups = getattr(text_config(model), "n_group", 1) if adapter.family == "deepseek_v3" else 1
-        select_keep(torch.zeros(len(layers), layers[0].num_experts), cfg.prune.ratio, layers[0].top_k,
-                    cfg.prune.scope, groups)  # fail on a bad ratio before calibrating
+        keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)  # a bad ratio fails here
         gather = self.loading.gathered if self.loading else None
         fingerprint = model_fingerprint(model, adapter, gather=gather)
         prune_cfg = OmegaConf.create({"data": to_container(cfg.calibration), "prune": to_container(cfg.prune),
@@ -287,13 +285,13 @@ class Trainer:
             stats, _, source = compute_or_load_statistics(model, self.tokenizer, prune_cfg, fingerprint,
                                                           data_key="calibration")
         du.barrier()  # rank 0 has written the statistics cache: the next sweep job sees it on every rank
-        kept = select_keep(get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio, stats.top_k, cfg.prune.scope,
-                           groups)
         meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
                 "model": model_identity(cfg.model), "statistics": source}
-        log.info("keep set: %s by %s at ratio %s (statistics: %s)", [len(k) for k in kept], cfg.prune.criterion,
+        keep_set = keep_set_from_scores(model, get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio,
+                                        cfg.prune.scope, adapter=adapter, meta=meta)
+        log.info("keep set: %s by %s at ratio %s (statistics: %s)", list(keep_set.num_kept), cfg.prune.criterion,
                  cfg.prune.ratio, source)
-        return KeepSet.from_kept(layers, kept, model_type=model.config.model_type, meta=meta)
+        return keep_set
 
     # ------------------------------------------------------------------ keep set checks (before anything is written)
     def _precheck_keep_set(self) -> KeepSet | None:
@@ -776,7 +774,7 @@ class Trainer:
             log.info("loss curve: %s", self.output_dir / "loss_curve.png")
 
     def _export(self, trainable: dict) -> None:
-        from slimwise_train.distill.export import export_student, load_student, save_trainable
+        from slimwise_train.distill.export import export_student, load_trainable, save_trainable
 
         spec = self.student.spec
         prefix_from = str(self.cfg.distill.prefix_from)
@@ -790,7 +788,7 @@ class Trainer:
 
             teacher, _ = load_model(self.cfg.model, "cpu", tokenizer=self.tokenizer,
                                     dtype=resolve_dtype(self.cfg.model.dtype, self.device))
-            student = load_student(teacher, path)
+            student = load_trainable(path, teacher)
         else:
             student = self.student
         if spec.lora:  # co-located serving: a peft adapter folder (first: an in-place export merges the LoRA away)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from slimwise_train.config import CONF_DIR, EvalAppConfig, check_known_keys, register_configs, to_container
+from slimwise_train.config import (CONF_DIR, EvalAppConfig, check_known_keys, register_configs, to_container,
+                                   wandb_mode)
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
 from slimwise_train.utils.rundir import check_writable, die_with_launcher
@@ -91,12 +91,6 @@ def load_keep_sets(paths) -> tuple[dict, dict]:
         name = keep_set_name(path, taken)
         keep_sets[name], where[name] = keep, str(path)
     return keep_sets, where
-
-
-def wandb_mode(logger_cfg) -> str:
-    if logger_cfg.mode != "auto":
-        return logger_cfg.mode
-    return os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
 
 
 FIGURES = (("lengths", "output-length CDF per family"), ("tradeoff", "accuracy vs decode speed-up"),

@@ -28,40 +28,22 @@ import torch
 from torch import nn
 
 from slimwise_train.eval.metrics import METRIC_DEFINITIONS, decode_output, score_run, summarize
+from slimwise_train.eval.modes import (  # defined in eval/modes.py (no torch there); imported from here too
+    KEEP_SET_MODES,
+    MODE_DESCRIPTIONS,
+    MODE_MODELS,
+    MODE_PHASES,
+    MODES,
+    STUDENT_MODES,
+)
 from slimwise_train.moe.handoff import handoff_generate, prefill
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.masking import PhaseMasking, get_masking
+from slimwise_train.utils.hf import text_config
 
 log = logging.getLogger("slimwise.eval")
 
 FORMAT = "slimwise-eval/1"
-MODES = ("full", "conventional", "slimwise", "reverse", "conventional_distill", "slimwise_distill")
-# mode -> (prefill phase, decode phase) of the masked model (a plain model such as the student ignores phases).
-MODE_PHASES = {
-    "full": ("prefill", "prefill"),
-    "conventional": ("decode", "decode"),
-    "slimwise": ("prefill", "decode"),
-    "reverse": ("decode", "prefill"),
-    "conventional_distill": ("decode", "decode"),
-    "slimwise_distill": ("prefill", "decode"),
-}
-# mode -> (prefill model, decode model): "model" = the full model (masked per keep set), "student" = eval.student.
-# conventional_distill is the student alone, as a user serving the distilled checkpoint runs it (it is physically
-# pruned, so no masking is involved): prefill and decode on its own KV cache.
-MODE_MODELS = {mode: ("model", "model") for mode in MODES}
-MODE_MODELS.update({"conventional_distill": ("student", "student"), "slimwise_distill": ("model", "student")})
-MODE_DESCRIPTIONS = {
-    "full": "full prefill, full decode",
-    "conventional": "pruned prefill, pruned decode",
-    "slimwise": "full prefill, pruned decode",
-    "reverse": "pruned prefill, full decode",
-    "conventional_distill": "distilled student prefill, distilled student decode (prune + distill, no full model)",
-    "slimwise_distill": "full prefill, distilled student decode",
-}
-
-
-KEEP_SET_MODES = tuple(m for m in MODES if m != "full")  # every mode but full masks with a keep set
-STUDENT_MODES = tuple(m for m in MODES if "student" in MODE_MODELS[m])  # the modes that run eval.student
 MODE_FIXES = {"eval.keep_sets": "eval.keep_sets=[<keep_set.json>]",
               "eval.student": "eval.student=<exported student folder>"}
 
@@ -300,8 +282,8 @@ def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, Ke
         raise ValueError(f"eval.student {path} has a {student_vocab}-token vocabulary but the model has {full_vocab}; "
                          "it was made from another model")
     full_type, student_type = full_model.config.model_type, student.config.model_type
-    full_layers = full_model.config.get_text_config().num_hidden_layers
-    student_layers = student.config.get_text_config().num_hidden_layers
+    full_layers = text_config(full_model).num_hidden_layers
+    student_layers = text_config(student).num_hidden_layers
     if student_type not in (full_type, f"slimwise_{full_type}") or student_layers != full_layers:
         raise ValueError(f"eval.student {path} is a {student_type} with {student_layers} layers but the model is a "
                          f"{full_type} with {full_layers}; it was made from another model")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from slimwise_train.distill.curves import ema, log_scale, plot_training_curves, read_metrics, smoothing_span  # noqa: F401
+from slimwise_train.eval.modes import LM_EVAL_NAMES
 from slimwise_train.eval.report import BOUND_BATCH, _decode_pruned, expert_bytes_bound, rows_for
 from slimwise_train.utils.plotting import pyplot as _pyplot, save_png as _save
 
@@ -29,8 +30,8 @@ MODE_STYLES = {
     "conventional_distill": {"color": "#9467bd", "ls": ":", "marker": "v"},
     "slimwise_distill": {"color": "#2ca02c", "ls": (0, (5, 1, 1, 1)), "marker": "P"},
 }
-# lm-eval's names of the student modes (slimwise_train.lm_eval.model.MODE_ALIASES, reversed)
-MODE_STYLE_ALIASES = {"conventional_distilled": "conventional_distill", "distilled": "slimwise_distill"}
+# lm-eval's names of the student modes (slimwise_train.eval.generation.LM_EVAL_NAMES, reversed)
+MODE_STYLE_ALIASES = {lm_eval: app for app, lm_eval in LM_EVAL_NAMES.items()}
 _EXTRA_COLORS = ("#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f")
 _EXTRA_LINESTYLES = ("-", "--", "-.", ":")
 _EXTRA_MARKERS = ("X", "*", "h", "<", ">", "p", "d", "8")

@@ -46,14 +46,19 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from slimwise_train.eval.generation import MODE_DESCRIPTIONS, MODE_MODELS, MODE_PHASES, eos_ids, left_pad
+from slimwise_train.eval.generation import eos_ids, left_pad
+from slimwise_train.eval.modes import LM_EVAL_NAMES, MODE_DESCRIPTIONS, MODE_MODELS, MODE_PHASES
+from slimwise_train.eval.modes import MODES as EVAL_MODES
+from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.handoff import continue_on_cache, handoff_generate, prefill
+from slimwise_train.utils.hf import text_config
 
 log = logging.getLogger("slimwise.lm_eval")
 
-MODES = ("full", "conventional", "slimwise", "reverse", "conventional_distilled", "distilled")
-# the eval app's names of the student modes; accepted so one mode list serves both tools
-MODE_ALIASES = {"slimwise_distill": "distilled", "conventional_distill": "conventional_distilled"}
+# The eval app's modes (slimwise_train.eval.generation.MODES) under lm-eval's names (LM_EVAL_NAMES), in its order.
+MODES = tuple(LM_EVAL_NAMES.get(m, m) for m in EVAL_MODES)
+# the eval app's names of the renamed modes; accepted so one mode list serves both tools
+MODE_ALIASES = dict(LM_EVAL_NAMES)
 END_REASONS = ("eos", "stop", "budget")
 _EVAL_MODE = {ours: app for app, ours in MODE_ALIASES.items()}  # our mode -> the eval app's MODE_PHASES key
 STUDENT_MODES = tuple(m for m in MODES if "student" in MODE_MODELS[_EVAL_MODE.get(m, m)])  # need student=
@@ -136,11 +141,11 @@ class SlimwiseLM(TemplateLM):
         self.progress = _as_bool(progress, "progress")
         self._init_distributed(device)
         self._load(pretrained, keep_set, student, dtype, _as_bool(trust_remote_code, "trust_remote_code"), revision)
-        config = self.model.config.get_text_config()
+        config = text_config(self.model)
         self._max_length = (_as_int(max_length, "max_length", 2) if max_length is not None
                             else int(getattr(config, "max_position_embeddings", 2048)))
         if add_bos_token is None:  # as lm-eval's hf model: Gemma needs its BOS, the others are scored without one
-            add_bos_token = self.model.config.model_type.startswith("gemma")
+            add_bos_token = get_adapter(self.model).add_bos_token
         self.add_bos_token = _as_bool(add_bos_token, "add_bos_token")
         self.eos = eos_ids(self.model, self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos[0]

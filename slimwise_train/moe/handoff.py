@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from slimwise_train.moe.masking import model_phase
+from slimwise_train.utils.hf import text_config
 
 
 def make_cache_autograd_safe(cache) -> None:
@@ -68,8 +69,7 @@ def cache_layer_kinds(model: nn.Module) -> list[str]:
     DynamicSlidingWindowLayer; LinearAttentionLayer: recurrent state updated in place), in layer order."""
     from transformers import DynamicCache
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return [type(layer).__name__ for layer in DynamicCache(config=config).layers]
+    return [type(layer).__name__ for layer in DynamicCache(config=text_config(model)).layers]
 
 
 def positions_from_mask(attention_mask: torch.Tensor, past_length: int = 0, new_length: int | None = None) -> torch.Tensor:

@@ -113,7 +113,7 @@ class KeepSet:
         for lk in self.layers:
             if lk.layer == layer_index:
                 return lk
-        raise KeyError(f"keep set has no layer {layer_index}")
+        raise ValueError(f"keep set has no layer {layer_index}; it was made for another model")
 
     @property
     def is_uniform(self) -> bool:
@@ -255,7 +255,6 @@ def _integer(value, what: str) -> int:
 
 
 def _family_of(model_type: str) -> str:
-    from slimwise_train.moe.adapters import _BY_MODEL_TYPE
+    from slimwise_train.moe.adapters import family_of
 
-    cls = _BY_MODEL_TYPE.get(model_type)
-    return cls.family if cls else model_type
+    return family_of(model_type)

@@ -21,6 +21,7 @@ from torch import nn
 from slimwise_train.moe.adapters import MoEAdapter, get_adapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.atomic import atomic_dir
+from slimwise_train.utils.hf import text_config
 
 
 def _replace_tensor(module: nn.Module, name: str, new: torch.Tensor) -> None:
@@ -29,10 +30,6 @@ def _replace_tensor(module: nn.Module, name: str, new: torch.Tensor) -> None:
         setattr(module, name, nn.Parameter(new, requires_grad=old.requires_grad))
     else:
         module._buffers[name] = new
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def prune_experts_(model: nn.Module, keep_set: KeepSet, pad_to: int | None = None) -> nn.Module:
@@ -58,7 +55,7 @@ def prune_experts_(model: nn.Module, keep_set: KeepSet, pad_to: int | None = Non
             _replace_tensor(module, name, new)
         adapter.set_layer_num_experts(moe, pad_to if pad_to is not None else len(kept))
     counts = keep_set.num_kept
-    config = _text_config(model.config)
+    config = text_config(model)
     setattr(config, adapter.num_experts_key, pad_to if pad_to is not None else max(counts))
     if hasattr(model, "num_experts"):  # ForCausalLM keeps a copy for the load-balancing loss
         model.num_experts = getattr(config, adapter.num_experts_key)
@@ -74,13 +71,12 @@ def check_exportable(adapter: MoEAdapter, model: nn.Module, keep_set: KeepSet) -
             f"bias to disable padded experts, so the non-uniform keep set (kept per layer: {list(keep_set.num_kept)}) "
             "cannot be exported; use a uniform keep set (prune.scope=layer) or router masking (the mask file)"
         )
-    if adapter.family == "deepseek_v3":
-        groups = getattr(_text_config(model.config), "n_group", 1)
-        if groups != 1:
-            raise ValueError(
-                f"deepseek_v3 with n_group={groups}: padded experts would change group-limited routing, so a "
-                "non-uniform keep set cannot be exported; use a uniform keep set"
-            )
+    groups = adapter.expert_groups(model)
+    if groups != 1:
+        raise ValueError(
+            f"{adapter.family} with {groups} expert groups (n_group={groups}): padded experts would change "
+            "group-limited routing, so a non-uniform keep set cannot be exported; use a uniform keep set"
+        )
 
 
 def export_pruned(

@@ -190,11 +190,10 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
         StudentSpec,
         find_norms,
         routed_expert_size,
-        text_config,
     )
     from slimwise_train.moe.adapters import get_adapter
-    from slimwise_train.moe.keepset import KeepSet
-    from slimwise_train.prune.criteria import select_keep, validate_prune_config
+    from slimwise_train.prune.criteria import keep_set_from_scores, validate_prune_config
+    from slimwise_train.utils.hf import text_config
 
     config = architecture_config(model_cfg) if config is None else config
     validate_prune_config(prune_cfg)
@@ -203,10 +202,7 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
     adapter = get_adapter(model)
     moe_layers = adapter.moe_layers(model)
     tcfg = text_config(model)
-    groups = getattr(tcfg, "n_group", 1) if adapter.family == "deepseek_v3" else 1
-    kept = select_keep(torch.zeros(len(moe_layers), moe_layers[0].num_experts), float(prune_cfg.ratio),
-                       moe_layers[0].top_k, str(prune_cfg.scope), groups)
-    keep_set = KeepSet.from_kept(moe_layers, kept, model_type=model.config.model_type)
+    keep_set = keep_set_from_scores(model, None, prune_cfg.ratio, prune_cfg.scope, adapter=adapter)
     expert_params = {m.layer_index: _numel(m.experts) for m in moe_layers}
     with torch.device("meta"):  # the student's random init of its shared experts costs nothing on meta
         student = DistillModel(model, keep_set, StudentSpec.from_config(distill_cfg), adapter=adapter,
@@ -259,7 +255,7 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
     for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if id(p) not in expert_ids]
         largest_other = max(largest_other, sum(p.numel() for p in own))
-    kept_fraction = sum(len(k) for k in kept) / sum(m.num_experts for m in moe_layers)
+    kept_fraction = sum(keep_set.num_kept) / sum(m.num_experts for m in moe_layers)
     total_experts = sum(expert_params.values())
     arch = Architecture(
         name=str(model_cfg.name), model_type=str(model.config.model_type), family=adapter.family,
@@ -271,6 +267,6 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
         largest_other_module_params=int(largest_other), final_norm_width=final_width,
         final_logit_softcapping=getattr(tcfg, "final_logit_softcapping", None),
         tied_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
-        kept_experts=[len(k) for k in kept],
+        kept_experts=list(keep_set.num_kept),
     )
     return arch, student

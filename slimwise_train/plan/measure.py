@@ -49,22 +49,18 @@ def saved_activations(model_cfg, prune_cfg, distill_cfg, batch: int, prefix: int
     the student's forward, "logits": bytes of the student's logits, "by_module": {attention|moe|norms|other: bytes}}."""
     from transformers import DynamicCache
 
-    from slimwise_train.distill.student import DistillModel, StudentSpec, text_config
+    from slimwise_train.distill.student import DistillModel, StudentSpec
     from slimwise_train.moe.adapters import get_adapter
     from slimwise_train.moe.handoff import make_cache_autograd_safe
-    from slimwise_train.moe.keepset import KeepSet
     from slimwise_train.plan.architecture import tiny_overrides
-    from slimwise_train.prune.criteria import select_keep
+    from slimwise_train.prune.criteria import keep_set_from_scores
     from slimwise_train.testing.tiny import tiny_model
+    from slimwise_train.utils.hf import text_config
 
     model = tiny_model(model_cfg.tiny, seed=seed, **tiny_overrides(model_cfg)).to(dtype)
     adapter = get_adapter(model)
-    layers = adapter.moe_layers(model)
-    groups = getattr(text_config(model), "n_group", 1) if adapter.family == "deepseek_v3" else 1
-    kept = select_keep(torch.zeros(len(layers), layers[0].num_experts), float(prune_cfg.ratio), layers[0].top_k,
-                       str(prune_cfg.scope), groups)
-    student = DistillModel(model, KeepSet.from_kept(layers, kept, model_type=model.config.model_type),
-                           StudentSpec.from_config(distill_cfg), adapter=adapter,
+    keep_set = keep_set_from_scores(model, None, prune_cfg.ratio, prune_cfg.scope, adapter=adapter)
+    student = DistillModel(model, keep_set, StudentSpec.from_config(distill_cfg), adapter=adapter,
                            recompute=str(distill_cfg.recompute))
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)

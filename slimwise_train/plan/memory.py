@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from slimwise_train.plan.architecture import Architecture, LayerShape, describe
+from slimwise_train.utils.hf import text_config
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -395,7 +396,7 @@ def validate_plan_config(cfg) -> None:
 def check_seq_len(cfg, config) -> None:
     """data.seq_len within the model's max_position_embeddings (`config`: its transformers config), as the trainer
     requires (slimwise_train.data.loading.check_seq_len)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     limit = getattr(text, "max_position_embeddings", None)
     if limit is not None and int(cfg.data.seq_len) > int(limit):
         shortest = int(cfg.distill.min_split) + int(cfg.distill.min_continuation)

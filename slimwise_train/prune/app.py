@@ -45,9 +45,8 @@ def run_prune(cfg) -> dict:
     """The whole prune job; returns the summary. Importable for tests and notebooks."""
     from slimwise_train.models import load_model, model_identity
     from slimwise_train.moe.adapters import get_adapter
-    from slimwise_train.moe.keepset import KeepSet
     from slimwise_train.moe.pruning import check_exportable
-    from slimwise_train.prune.criteria import get_criterion, select_keep, validate_prune_config
+    from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
     from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
 
     check_known_keys(cfg, PruneAppConfig)
@@ -55,24 +54,22 @@ def run_prune(cfg) -> dict:
     check_writable(Path(cfg.output_dir), create=False)
     model, tokenizer = load_model(cfg.model, cfg.device)
     adapter = get_adapter(model)
-    layers = adapter.moe_layers(model)
-    groups = getattr(model.config.get_text_config(), "n_group", 1) if adapter.family == "deepseek_v3" else 1
     # Check the ratio against this model's expert count before any calibration work.
-    select_keep(torch.zeros(len(layers), layers[0].num_experts), cfg.prune.ratio, layers[0].top_k, cfg.prune.scope, groups)
+    keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)
     fingerprint = model_fingerprint(model, adapter)
     stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint)
     scores = get_criterion(cfg.prune.criterion)(stats)
-    kept = select_keep(scores, cfg.prune.ratio, stats.top_k, cfg.prune.scope, groups)
     meta = {
         "criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
         "model": model_identity(cfg.model), "statistics": source,
     }
-    keep_set = KeepSet.from_kept(layers, kept, model_type=model.config.model_type, meta=meta)
+    keep_set = keep_set_from_scores(model, scores, cfg.prune.ratio, cfg.prune.scope, adapter=adapter, meta=meta)
     keep_set.check_model(model, adapter)
     if cfg.prune.export_checkpoint:
         check_exportable(adapter, model, keep_set)
     mass = stats.mass_all
-    kept_mass = [float(mass[i, k].sum() / mass[i].sum()) if mass[i].sum() > 0 else 0.0 for i, k in enumerate(kept)]
+    kept_mass = [float(mass[i, list(lk.kept)].sum() / mass[i].sum()) if mass[i].sum() > 0 else 0.0
+                 for i, lk in enumerate(keep_set)]
     summary = {
         **meta,
         "family": adapter.family,

@@ -2,6 +2,8 @@
 
 Shape legend: L MoE layers, E experts per layer. Every criterion maps the float64 sums of
 `slimwise_train.prune.statistics.ExpertStatistics` to [L, E] scores; higher = more worth keeping.
+`select_keep` turns scores into kept indices; `keep_set_from_scores` into a model's `KeepSet` (the one function the
+prune app, the trainer and the planner use).
 """
 
 from __future__ import annotations
@@ -145,3 +147,23 @@ def select_keep(
                 remaining -= 1
         return [sorted(k) for k in kept]
     raise ValueError(f"unknown prune.scope {scope!r}; use 'layer' or 'global'")
+
+
+def keep_set_from_scores(model, scores: torch.Tensor | None, ratio: float, scope: str = "layer", *, adapter=None,
+                         meta: dict | None = None):
+    """The `KeepSet` of `model` at `ratio` from [L, E] `scores` (higher = keep), for the model's model_type.
+
+    The one place that turns scores into a keep set (the prune app, the trainer's own scoring, the planner): the
+    family's expert groups come from its adapter (`expert_groups`), the top-k from its MoE layers. `scores=None`
+    ranks every expert equal (the first ones by index are kept): a check of the ratio before calibrating, or the
+    planner's keep set, which only needs the counts. A bad ratio or scope is a ValueError before anything is scored.
+    """
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
+
+    adapter = adapter or get_adapter(model)
+    layers = adapter.moe_layers(model)
+    if scores is None:
+        scores = torch.zeros(len(layers), layers[0].num_experts)
+    kept = select_keep(scores, float(ratio), layers[0].top_k, str(scope), adapter.expert_groups(model))
+    return KeepSet.from_kept(layers, kept, model_type=model.config.model_type, meta=meta)

@@ -38,6 +38,7 @@ from slimwise_train.moe.stats import RoutingRecord
 from slimwise_train.prune.criteria import CRITERIA
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import atomic_path
+from slimwise_train.utils.hf import text_config
 
 log = logging.getLogger("slimwise.prune")
 
@@ -139,7 +140,11 @@ def load_scores(path) -> tuple[ExpertStatistics, dict]:
     meta = json.loads(raw)
     if meta.get("format") != STATS_FORMAT:
         raise ValueError(f"{path}: unsupported scores format {meta.get('format')!r}, expected {STATS_FORMAT!r}")
-    return ExpertStatistics.from_tensors(load_file(str(path)), meta), meta
+    try:
+        return ExpertStatistics.from_tensors(load_file(str(path)), meta), meta
+    except KeyError as exc:  # a file of the right format with an entry missing: bad input, not a bug
+        raise ValueError(f"{path}: incomplete scores file (no {exc}); score again (python -m slimwise_train.prune)") \
+            from None
 
 
 def weights_digest(model, gather=None) -> str:
@@ -162,7 +167,7 @@ def weights_digest(model, gather=None) -> str:
 def model_fingerprint(model, adapter, gather=None) -> dict:
     """Identity of a model for scores files: family, MoE layout and a hash of all its weights."""
     layers = adapter.moe_layers(model)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     return {
         "family": adapter.family,
         "model_type": model.config.model_type,

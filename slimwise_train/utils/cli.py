@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, KeyError)
+# Bad input raises one of these (a bad key in a config or file is a ValueError naming it). KeyError is not one: a missing
+# dictionary key is a bug, and a bug shows its traceback (exit 1) instead of passing for the user's mistake.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
 
 
 class MachineFault(RuntimeError):
@@ -50,8 +52,7 @@ def user_errors(prog: str) -> Iterator[None]:
     try:
         yield
     except USER_ERRORS as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        _exit_with(f"{prog}: error: {message}", 2)
+        _exit_with(f"{prog}: error: {exc}", 2)
     except Exception as exc:
         if isinstance(exc, MachineFault):
             _exit_with(f"{prog}: error: {exc}", 1)

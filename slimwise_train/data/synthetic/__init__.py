@@ -47,6 +47,7 @@ from .suite import (
     _params,
     _strict_eq,
     check,
+    check_recipe,
     derive_seed,
     family_of,
     generate,

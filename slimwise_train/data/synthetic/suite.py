@@ -113,6 +113,7 @@ __all__ = [
     "generate_from_recipe",
     "recipe_counts",
     "recipe_params",
+    "check_recipe",
     "DEFAULT_RECIPE",
 ]
 
@@ -432,10 +433,21 @@ def load_recipe(path: str | os.PathLike | None = None) -> dict:
     import yaml
 
     with open(path or DEFAULT_RECIPE, encoding="utf-8") as f:
-        recipe = yaml.safe_load(f)
+        recipe = check_recipe(yaml.safe_load(f), f"recipe {path or DEFAULT_RECIPE}")
     for fam in recipe["families"]:
         if fam not in FAMILIES:
             raise ValueError(f"recipe names unknown family {fam!r}")
+    return recipe
+
+
+def check_recipe(recipe, where: str = "recipe") -> dict:
+    """`recipe` if it has the keys a synthetic recipe needs; else a ValueError naming the missing one."""
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("families"), dict):
+        raise ValueError(f"{where}: needs a `families` mapping (family: {{weight, params}})")
+    splits = recipe.get("splits") if isinstance(recipe.get("splits"), dict) else {}
+    for split in ("train", "eval"):
+        if not isinstance(splits.get(split), dict) or not {"n", "seed"} <= set(splits[split]):
+            raise ValueError(f"{where}: needs splits.{split} with n and seed")
     return recipe
 
 
@@ -479,8 +491,7 @@ def generate_from_recipe(
     """Examples of ``split`` ("train" or "eval") from a recipe. The eval split uses the
     held-out stream; the train split excludes every eval prompt. ``n`` overrides the split's
     total count (the eval set that training excludes stays the recipe's)."""
-    if not isinstance(recipe, dict):
-        recipe = load_recipe(recipe)
+    recipe = check_recipe(recipe) if isinstance(recipe, dict) else load_recipe(recipe)
     params = recipe_params(recipe)
     ev_cfg = recipe["splits"]["eval"]
     ev_counts = recipe_counts(recipe, int(ev_cfg["n"]))

@@ -3,7 +3,8 @@
 Shape legend: T tokens (batch*seq flattened), E experts in a layer, K experts chosen per token (top-k),
 H hidden size, I a native slot's intermediate size, X extra intermediate columns.
 
-An adapter answers five questions about a model family:
+An adapter answers these questions about a model family (nothing outside `moe/adapters/` compares a family name or
+a model_type; tests/test_layout.py checks that):
   * where the MoE layers, routers, fused expert tensors and shared experts are (`moe_layers`);
   * how the router turns logits into (weights, indices), so it can be redone with removed experts
     excluded *before* the top-k (`reroute`), which is what makes masking equal to physical pruning;
@@ -51,11 +52,23 @@ class MoEAdapter:
     family: str = ""
     model_types: tuple[str, ...] = ()
     num_experts_key: str = "num_experts"  # config attribute that counts routed experts
+    top_k_key: str = "num_experts_per_tok"  # config attribute of the router's top-k
+    # lm-eval's convention for the family's tokenizer: score text with a leading BOS token (Gemma) or without
+    add_bos_token: bool = False
     # Whether a stock checkpoint can hold different expert counts per layer (by padding with experts that a
     # -inf router bias makes unselectable). Families without a per-expert router bias cannot.
     supports_non_uniform_export: bool = False
 
     # ------------------------------------------------------------------ discovery
+    def has_experts(self, config) -> bool:
+        """Whether a config of this family builds MoE layers (a family can have dense members); default: yes."""
+        return True
+
+    def expert_groups(self, model_or_config) -> int:
+        """Groups of the group-limited routing (the router picks groups, then experts inside them); 1: none. A keep
+        set must keep the same number of experts in every group, and a padded (non-uniform) export is refused."""
+        return 1
+
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
         layers = getattr(decoder, "layers", None)

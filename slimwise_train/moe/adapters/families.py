@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from slimwise_train.moe.adapters.base import MoEAdapter, MoELayer, softmax_topk_route
+from slimwise_train.utils.hf import text_config
 
 
 class SoftmaxTopKAdapter(MoEAdapter):
@@ -101,6 +102,9 @@ class DeepseekV3Adapter(SoftmaxTopKAdapter):
             )
         return {"n_shared_experts": int(config.n_shared_experts) + extra // expert}
 
+    def expert_groups(self, model_or_config):
+        return int(getattr(text_config(model_or_config), "n_group", None) or 1)
+
     def reroute(self, moe, output, removed):
         router = moe.router
         logits = output[0]
@@ -174,6 +178,8 @@ class Gemma4Adapter(MoEAdapter):
 
     family = "gemma4"
     model_types = ("gemma4_text", "gemma4")
+    top_k_key = "top_k_experts"
+    add_bos_token = True
     # layer output = post_ffn_norm_1(mlp(x)) + post_ffn_norm_2(experts(...)); the slot is the dense `mlp`
     native_slot_key = "intermediate_size"
 
@@ -185,6 +191,9 @@ class Gemma4Adapter(MoEAdapter):
                              "uniformly; use distill.shared_expert_mode=none (no shared expert: the default trainable "
                              "preset trains LoRA on the kept experts, stock-class export) or new (remote code)")
         return super().widened_slot_config(config, extra)
+
+    def has_experts(self, config):
+        return bool(getattr(text_config(config), "enable_moe_block", False))  # else a dense Gemma 4
 
     def layer_view(self, index, layer, model):
         if not getattr(layer, "enable_moe_block", False):
