@@ -141,6 +141,19 @@ def _guarded(folder: Path) -> Iterator[bool]:
             os.close(fd)
 
 
+def _write_json(path: Path, flags: int, content: dict) -> None:
+    """`content` as JSON into `path` opened with `flags` (mode 0o666: the umask applies); a failed write removes it.
+    The open's own error (FileExistsError under O_EXCL) propagates with nothing created."""
+    fd = os.open(path, flags | os.O_WRONLY, 0o666)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(content, handle)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        raise
+
+
 def acquire_lock(folder: Path) -> Path:
     """Take `folder`'s lock or raise ValueError naming the job that holds it. A lock left by a dead process on
     this host is taken over (with a warning), and so is one that names no job (empty or garbage); one from another
@@ -152,18 +165,11 @@ def acquire_lock(folder: Path) -> Path:
           "argv": " ".join(sys.argv)}
     with _guarded(folder) as serialised:
         for _ in range(3):
-            try:
-                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+            try:  # written under the guard: a reader under the guard never sees it half-written
+                _write_json(lock, os.O_CREAT | os.O_EXCL, me)
             except FileExistsError:
                 pass
-            else:  # written under the guard: a reader under the guard never sees it half-written
-                try:
-                    with os.fdopen(fd, "w") as handle:
-                        json.dump(me, handle)
-                except BaseException:
-                    with contextlib.suppress(OSError):
-                        lock.unlink()
-                    raise
+            else:
                 return lock
             try:
                 text = lock.read_text()
@@ -187,9 +193,8 @@ def acquire_lock(folder: Path) -> Path:
                         f"wait for it, choose another output folder, or delete {lock} if that job is gone")
                 log.warning("taking over the stale lock of %s (pid %s, no longer running)", folder, pid)
             tmp = folder / f"{LOCK_NAME}.{os.getpid()}.tmp"  # replaced in one step: the lock never goes missing
+            _write_json(tmp, os.O_CREAT | os.O_TRUNC, me)
             try:
-                with open(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY, 0o666), "w") as handle:
-                    json.dump(me, handle)
                 os.replace(tmp, lock)
             except BaseException:
                 with contextlib.suppress(OSError):
