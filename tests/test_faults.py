@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from slimwise_train.config import CONF_DIR, ModelConfig, register_configs
 from slimwise_train.distill.checkpoint import CorruptCheckpoint, verify_checkpoint
-from slimwise_train.distill.trainer import Trainer
+from slimwise_train.distill.trainer import Trainer, run_train
 from slimwise_train.models import load_model
 from slimwise_train.utils.rundir import LOCK_NAME, acquire_lock, release_lock
 
@@ -23,9 +23,13 @@ SMALL = ["experiment=tiny_smoke", "logger=none", "resume=auto", "distill.max_ste
          "distill.eval_every=4", "distill.log_every=1", "distill.keep_checkpoints=5", "distill.export=false"]
 
 
-def trainer_for(output_dir, *overrides) -> Trainer:
+def cfg_for(output_dir, *overrides):
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return Trainer(compose("train", overrides=[*SMALL, f"output_dir={output_dir}", *overrides]))
+        return compose("train", overrides=[*SMALL, f"output_dir={output_dir}", *overrides])
+
+
+def trainer_for(output_dir, *overrides) -> Trainer:
+    return Trainer(cfg_for(output_dir, *overrides))
 
 
 def dead_pid() -> int:
@@ -111,12 +115,7 @@ def test_stale_export_temporaries_are_removed_at_start(tmp_path):
 
 
 def test_checkpoint_verification_names_the_problem(tmp_path):
-    trainer = trainer_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2")
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.close()
+    run_train(cfg_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2"))
     ckpt = tmp_path / "checkpoints" / "step_000002"
     verify_checkpoint(ckpt)
     sums = json.loads((ckpt / "checksums.json").read_text())
@@ -190,12 +189,7 @@ def test_cli_error_for_a_missing_model_folder(tmp_path):
 
 
 def test_training_shows_a_step_progress_bar(tmp_path, capsys):
-    trainer = trainer_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2", "progress=true")
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.close()
+    run_train(cfg_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2", "progress=true"))
     err = capsys.readouterr().err
     assert "distill" in err and "2/2" in err
 
@@ -240,12 +234,7 @@ def test_every_output_folder_honours_the_umask(tmp_path):
 
 
 def test_an_emptied_checksums_file_does_not_verify_and_resume_falls_back(tmp_path, caplog):
-    trainer = trainer_for(tmp_path)  # checkpoints at steps 2 and 4
-    try:
-        trainer.setup()
-        trainer.train()
-    finally:
-        trainer.close()
+    run_train(cfg_for(tmp_path))  # checkpoints at steps 2 and 4
     newest = tmp_path / "checkpoints" / "step_000004"
     (newest / "checksums.json").write_text("{}")
     with pytest.raises(CorruptCheckpoint, match="checksums.json does not cover"):
