@@ -79,11 +79,6 @@ def training_summary(train_dir: Path) -> list[str]:
     return lines
 
 
-def touched_experts(experts: int, top_k: int, tokens: int) -> float:
-    """Expected distinct experts a decode step reads when `tokens` tokens each pick `top_k` of `experts` uniformly."""
-    return experts * (1 - (1 - top_k / experts) ** tokens)
-
-
 def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[float, str]:
     """(full / pruned decode-step time at batch 64, where the number comes from)."""
     config = json.loads((teacher_dir / "config.json").read_text())
@@ -111,6 +106,8 @@ def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[fl
             f"measured in this run by `bench decode` (one decode step at batch {BATCH}, {experts} experts top-{top_k} "
             f"as the teacher routes, {kept} kept; serving-scale expert matrices H1024 x I768 fp32, static KV cache{noise}; "
             f"bytes bound {row['bytes_bound'][str(ratio)]}x; a busy machine measures less: compare runs on a quiet one)")
+    from slimwise_train.eval.report import touched_experts  # the eval report's bytes bound: one formula
+
     bound = touched_experts(experts, top_k, BATCH) / touched_experts(kept, top_k, BATCH)
     return bound, (f"expert-bytes model, NOT measured (DEMO_BENCH=0): experts read per step at batch {BATCH} under "
                    f"uniform top-{top_k} routing, {experts} vs {kept} experts")
