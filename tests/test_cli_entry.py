@@ -114,7 +114,10 @@ def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_pa
     run_dir = tmp_path / "outputs" / "eval" / "run"
     proc = subprocess.Popen([sys.executable, "-m", APPS["eval"], "model=teacher", "eval.num_per_family=200",
                              f"hydra.run.dir={run_dir}", "progress=false"], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            # a background CI shell starts jobs with SIGINT ignored, which Python then keeps: restore
+                            # the default, so the app gets Ctrl-C as a user's terminal delivers it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:  # the job has started (its log exists) once it logs its threads
             if "torch threads:" in line:
@@ -163,3 +166,15 @@ def test_a_key_error_is_a_bug_and_bad_input_is_a_value_error(tmp_path, capsys):
         check_recipe({**recipe, "splits": {"train": recipe["splits"]["train"]}})
     with pytest.raises(ValueError, match="needs a `families` mapping"):
         check_recipe({"splits": recipe["splits"]})
+
+
+def test_the_folder_checked_is_the_folder_hydra_runs_in_even_with_a_clock_in_its_name(tmp_path):
+    """hydra.run.dir with ${now:...} resolves once in the pre-check and again in Hydra's own config (a new clock
+    reading): microseconds always differ, so a refused run left Hydra's folder behind until the folder was pinned."""
+    proc = run("prune", ["prune.ratio=2", "hydra.run.dir=outputs/x/${now:%H-%M-%S-%f}"], cwd=tmp_path)
+    assert "prune.ratio" in the_error(proc, "prune")
+    assert tree(tmp_path) == []
+    ok = run("plan", ['hydra.run.dir="outputs/it\'s ${now:%f}"'], cwd=tmp_path)  # a quote in the name is kept
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    (folder,) = (tmp_path / "outputs").iterdir()
+    assert folder.name.startswith("it's ") and (folder / "plan.json").is_file()

@@ -294,6 +294,10 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
 
                 GlobalHydra.instance().clear()
             run_folder = _RunFolder(folder, folder / f"{job_name}.log")
+            # Hydra resolves hydra.run.dir again in its own config, and ${now:...} there is a new clock reading (its
+            # cache is per config): pin the folder checked here, so the run writes, and a refusal cleans, that one.
+            sys.argv = [sys.argv[0], *(a for a in args if not a.startswith("hydra.run.dir=")),
+                        "hydra.run.dir='" + str(folder).replace("'", "\\'") + "'"]
             try:
                 run_hydra()
             except SystemExit as exc:
