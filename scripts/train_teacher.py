@@ -30,6 +30,20 @@ Training: loss on answer + EOS only; AdamW, warm-up then cosine decay to zero ov
 length-bucketed batches. Every `--eval-every` minutes it decodes held-out problems greedily and stops once every
 family reaches `--target` (or the time budget ends); then it evaluates the final model on `--final-eval`
 held-out problems per family and writes the checkpoint (safetensors) and a training log, atomically.
+
+`--preset deep` trains the second, deep teacher for the fidelity study (docs/teacher.md, "A deep teacher for the
+fidelity study") on the long-context suite (slimwise_train/data/synthetic/long_context.py: lookup, toolpick,
+steps, fewshot, plus math / code / tool) packed into 1024-token sequences; it is resumable:
+
+    python scripts/train_teacher.py --preset deep                      # --out outputs/teacher_deep
+    python scripts/train_teacher.py --preset deep --resume             # continue from outputs/teacher_deep/checkpoint
+
+Its schedule is by steps (`--max-steps`; the cosine ends at zero there, whatever the wall time), `--minutes` only
+pauses a run (checkpoint, then `--resume`); a checkpoint (`<out>/checkpoint/`: model, optimizer, step, RNG, data
+position) is written every `--checkpoint-every` minutes and at a pause, and the finished model goes to
+`<out>/final/` (copy it into slimwise_train/assets/ to ship it). Flags given explicitly override the preset; on
+`--resume` the checkpoint's own settings win except the run controls (--minutes, --steps-this-run, --threads,
+--checkpoint-every, --eval-every, --log-every).
 """
 
 from __future__ import annotations
@@ -50,7 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from slimwise_train.data import synthetic  # noqa: E402
-from slimwise_train.eval.generation import build_problems, family_budgets, greedy_accuracy  # noqa: E402
+from slimwise_train.eval.generation import Problem, build_problems, family_budgets, greedy_accuracy  # noqa: E402
 from slimwise_train.utils.atomic import atomic_dir  # noqa: E402
 
 TOKENIZER = REPO / "slimwise_train" / "assets" / "tokenizer"
@@ -71,7 +85,7 @@ def teacher_config(tokenizer, args) -> Qwen3MoeConfig:
         norm_topk_prob=True,
         router_aux_loss_coef=args.aux,
         output_router_logits=False,  # training asks for them per call; generation must not (HF aux-loss mask bug)
-        max_position_embeddings=512,
+        max_position_embeddings=args.max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -114,7 +128,39 @@ def batches(tokenizer, args, exclude):
             yield ids, mask, labels
 
 
-def main(argv=None):
+# The deep teacher (docs/teacher.md, "A deep teacher for the fidelity study"). Sized from a probe at nice 15 on
+# these 2 cores while other jobs shared them (2026-12-03): 12 layers at 8 x 1024 tokens per step ran 11-33 s a
+# step on 0.5-1.0 cores (250-720 tokens/s), i.e. an estimated ~1.2k tokens/s on 2 quiet cores; attention over 1024
+# positions is about half the FLOPs. 1400 steps x 4 x 1024 = 5.7M tokens is then ~80 min of training plus ~6 min
+# of evaluation. 25M tokens (--max-steps 6100) would take ~6 h: resumable, but not a 90-minute recipe.
+DEEP_PRESET = {
+    "out": str(REPO / "outputs" / "teacher_deep"),
+    "layers": 12,
+    "hidden": 128,
+    "experts": 32,
+    "top_k": 4,
+    "moe_intermediate": 32,
+    "aux": 0.001,
+    "max_positions": 2048,  # twice the training length: long prompts plus long answers in evaluation
+    "seq_len": 1024,
+    "batch": 4,  # more updates for a small token budget; 4 x 1024 tokens keep ~500 rows per expert matmul
+    "lr": 1.5e-3,
+    "warmup": 100,
+    "max_steps": 1400,
+    "minutes": 100.0,  # a pause, not the schedule: resume with --resume
+    "eval_every": 30.0,
+    "eval_n": 10,
+    "final_eval": 100,
+    "target": 2.0,  # never stop early: the schedule is by steps
+}
+# Flags a resumed run takes from the command line; everything else comes from the checkpoint.
+RUN_CONTROLS = ("minutes", "steps_this_run", "threads", "checkpoint_every", "eval_every", "log_every", "resume",
+                "overwrite", "out")
+DEEP_FAMILIES = ("lookup", "toolpick", "steps", "fewshot", "math", "code", "tool")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, with `--preset deep`'s values as defaults (explicit flags still win)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "slimwise_train" / "assets" / "teacher"))
     parser.add_argument("--minutes", type=float, default=55.0, help="training time budget (wall clock); + final eval < 60 min")
@@ -137,7 +183,32 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=2025)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--overwrite", action="store_true")
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-positions", type=int, default=512, help="max_position_embeddings of the model")
+    deep = parser.add_argument_group("deep teacher (--preset deep)")
+    deep.add_argument("--preset", choices=["deep"], default=None,
+                      help="deep: the long-context teacher (12 layers, packed 1024-token sequences, resumable)")
+    deep.add_argument("--seq-len", type=int, default=1024, help="tokens per packed training sequence")
+    deep.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
+    deep.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")
+    deep.add_argument("--steps-this-run", type=int, default=0,
+                      help="pause (checkpoint) after this many steps; 0: no limit")
+    deep.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    deep.add_argument("--examples-per-chunk", type=int, default=2048, help="examples generated and packed at a time")
+    deep.add_argument("--heldout-exclude", type=int, default=400,
+                      help="held-out problems per family kept out of training (at least --final-eval are)")
+    deep.add_argument("--no-shot-loss", action="store_true",
+                      help="no loss on the solved examples' answers inside few-shot prompts (final answer + EOS only)")
+    preset = argparse.ArgumentParser(add_help=False)
+    preset.add_argument("--preset", choices=["deep"], default=None)
+    if preset.parse_known_args(argv)[0].preset == "deep":
+        parser.set_defaults(**DEEP_PRESET)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.preset == "deep":
+        return train_deep(args)
 
     if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
         # measured here: 6.2k vs 11.5k tokens/s for this model on 2 idle cores (its ops are small, so sleeping
@@ -219,6 +290,201 @@ def main(argv=None):
         tokenizer.save_pretrained(tmp)
         (tmp / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
     print(f"saved to {args.out}", flush=True)
+
+
+
+# ----------------------------------------------------------------------------------------------- the deep teacher
+def cosine_lr(args, step: int) -> float:
+    """Warm-up, then cosine from --lr to --final-lr x --lr over --max-steps (by steps, so a resumed or slower run
+    follows the same schedule)."""
+    cosine = 0.5 * (1 + math.cos(math.pi * min(step / args.max_steps, 1.0)))
+    return args.lr * min(1.0, (step + 1) / args.warmup) * (args.final_lr + (1 - args.final_lr) * cosine)
+
+
+def save_checkpoint(folder: Path, model, optimizer, state: dict) -> None:
+    """Model, optimizer, RNG and `state` (step, tokens, data position, args, log) into `folder`, atomically: a crash
+    while writing leaves the previous checkpoint whole."""
+    with atomic_dir(folder, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+
+
+def load_checkpoint_state(folder: Path) -> dict:
+    """state.json of a checkpoint folder, or a one-line error naming --resume and the fix."""
+    if not (folder / "state.json").is_file():
+        raise SystemExit(f"--resume: no checkpoint at {folder}; run without --resume first, or pass the --out of "
+                         "the run to continue")
+    return json.loads((folder / "state.json").read_text())
+
+
+def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
+    """The checkpoint's settings with this command's run controls (--minutes, --threads, ...) on top."""
+    merged = dict(state["args"])
+    merged.update({k: getattr(args, k) for k in RUN_CONTROLS})
+    return argparse.Namespace(**merged)
+
+
+def format_eta(seconds: float) -> str:
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else f"{seconds / 60:.1f}m"
+
+
+def build_long_problems(tokenizer, families, n: int, seed: int = 0) -> list[Problem]:
+    """`Problem`s of the first `n` held-out examples of each family, like the eval app's `build_problems` but for
+    any registered family (that one accepts math / code / tool only)."""
+    from slimwise_train.data.synthetic.suite import long_heldout
+
+    problems = []
+    for example in long_heldout(families, n, seed):
+        prompt_text, answer_text = synthetic.to_text(example)
+        prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
+        answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
+        problems.append(Problem(example.family, example.prompt, example.answer, prompt_ids, len(answer_ids) + 1))
+    return problems
+
+
+def train_deep(args) -> None:
+    """Train (or resume) the deep teacher on packed long-context sequences; see the module docstring."""
+    from slimwise_train.data.synthetic.long_context import packed_batches
+    from slimwise_train.data.synthetic.suite import long_suite
+
+    out = Path(args.out)
+    ckpt = out / "checkpoint"
+    state = None
+    if args.resume:
+        state = load_checkpoint_state(ckpt)
+        args = deep_args_for_resume(args, state)
+    elif ckpt.exists() and not args.overwrite:
+        raise SystemExit(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
+                         "start over")
+    if args.seq_len > args.max_positions:
+        raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
+                         "--max-positions")
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    if state is None:
+        config = teacher_config(tokenizer, args)
+        config._attn_implementation = "sdpa"
+        model = Qwen3MoeForCausalLM(config)
+    else:  # from_pretrained: save_pretrained writes the experts per expert, the model holds them fused
+        model = Qwen3MoeForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    num_params = sum(p.numel() for p in model.parameters())
+    step = tokens = answer_tokens = 0
+    train_seconds = 0.0
+    position = (0, 0)
+    log = {"args": vars(args), "num_parameters": num_params, "curve": [], "evals": [], "runs": []}
+    if state is not None:
+        optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt"))
+        rng = torch.load(ckpt / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        step, tokens, answer_tokens = state["step"], state["tokens"], state["answer_tokens"]
+        train_seconds, position, log = state["train_seconds"], tuple(state["position"]), state["log"]
+        print(f"resumed from {ckpt}: step {step}, {tokens:,} tokens, data chunk {position[0]} batch {position[1]}, "
+              f"{train_seconds / 60:.1f} min trained", flush=True)
+    planned = args.max_steps * args.batch * args.seq_len
+    print(f"deep teacher: {num_params:,} parameters; {args.layers} layers, hidden {args.hidden}, {args.experts} "
+          f"experts top-{args.top_k}, moe_intermediate {args.moe_intermediate}; {args.max_steps} steps x "
+          f"{args.batch} x {args.seq_len} = {planned / 1e6:.1f}M token slots", flush=True)
+
+    # Held-out problems (the "heldout" stream, first problems of each family) never enter training: the first
+    # max(final_eval, heldout_exclude) per family are excluded; the default 400 covers the eval app's default sample
+    # of math / code / tool (200) and leaves room to evaluate more.
+    heldout = build_long_problems(tokenizer, DEEP_FAMILIES, max(args.final_eval, args.heldout_exclude))
+    exclude = frozenset(p.prompt for p in heldout)
+    final_problems = [p for f in DEEP_FAMILIES for p in [q for q in heldout if q.family == f][: args.final_eval]]
+    budgets = family_budgets(final_problems)
+    probe = [p for f in DEEP_FAMILIES for p in [q for q in final_problems if q.family == f][: args.eval_n]]
+
+    def current_state() -> dict:
+        return {"format": "slimwise-teacher-checkpoint/1", "step": step, "tokens": tokens,
+                "answer_tokens": answer_tokens, "train_seconds": round(train_seconds, 1), "position": list(position),
+                "args": vars(args), "log": log}
+
+    run_start = last_checkpoint = time.time()
+    run_cpu = time.process_time()  # cores actually obtained = CPU seconds / wall seconds (the machine may be shared)
+    next_eval = (math.floor(train_seconds / (args.eval_every * 60)) + 1) * args.eval_every * 60
+    first_step, run_tokens = step, 0
+    window = {"ce": 0.0, "aux": 0.0, "n": 0}
+    stop_reason = None
+    model.train()
+    batches = packed_batches(
+        tokenizer, lambda chunk: long_suite(args.examples_per_chunk, args.seed + 1000 * chunk, exclude=exclude),
+        seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, start=position,
+        supervise_shots=not args.no_shot_loss)
+    for next_position, ids, labels in ([] if step >= args.max_steps else batches):
+        lr = cosine_lr(args, step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        step_start = time.time()
+        out_ = model(input_ids=ids, labels=labels, output_router_logits=True)
+        ce = out_.loss - args.aux * out_.aux_loss
+        optimizer.zero_grad(set_to_none=True)
+        out_.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        train_seconds += time.time() - step_start
+        step += 1
+        position = next_position
+        batch_tokens = int((ids != tokenizer.pad_token_id).sum())
+        tokens += batch_tokens
+        run_tokens += batch_tokens
+        answer_tokens += int((labels != -100).sum())
+        window["ce"] += float(ce.detach())
+        window["aux"] += float(out_.aux_loss.detach())
+        window["n"] += 1
+        if step % args.log_every == 0 or step == args.max_steps:
+            run_elapsed = time.time() - run_start
+            per_step = run_elapsed / max(step - first_step, 1)
+            row = {"step": step, "tokens": tokens, "answer_ce": round(window["ce"] / window["n"], 4),
+                   "aux": round(window["aux"] / window["n"], 3), "tok_per_s": round(run_tokens / run_elapsed),
+                   "cores": round((time.process_time() - run_cpu) / run_elapsed, 2),
+                   "lr": round(lr, 6), "train_min": round(train_seconds / 60, 2),
+                   "eta": format_eta(per_step * (args.max_steps - step))}
+            log["curve"].append(row)
+            print(json.dumps(row), flush=True)
+            window = {"ce": 0.0, "aux": 0.0, "n": 0}
+        if train_seconds >= next_eval and step < args.max_steps:
+            model.eval()
+            result = greedy_accuracy(model, tokenizer, probe, budgets, batch_size=50)
+            model.train()
+            entry = {"step": step, "train_min": round(train_seconds / 60, 2),
+                     **{f: r["accuracy"] for f, r in result.items()}}
+            log["evals"].append(entry)
+            print("eval", json.dumps(entry), flush=True)
+            next_eval = train_seconds + args.eval_every * 60
+        if time.time() - last_checkpoint >= args.checkpoint_every * 60:
+            save_checkpoint(ckpt, model, optimizer, current_state())
+            last_checkpoint = time.time()
+            print(f"checkpoint at step {step} -> {ckpt}", flush=True)
+        if step >= args.max_steps:
+            break
+        out_of_time = time.time() - run_start >= args.minutes * 60
+        if out_of_time or (args.steps_this_run and step - first_step >= args.steps_this_run):
+            stop_reason = "paused"
+            break
+    stop_reason = stop_reason or "finished"
+    log["runs"].append({"from_step": first_step, "to_step": step, "seconds": round(time.time() - run_start),
+                        "tokens": run_tokens, "stop": stop_reason})
+    save_checkpoint(ckpt, model, optimizer, current_state())
+    if stop_reason == "paused":
+        print(f"paused at step {step} of {args.max_steps}; checkpoint {ckpt}; continue with --preset deep --out "
+              f"{out} --resume", flush=True)
+        return
+    model.eval()
+    final = greedy_accuracy(model, tokenizer, final_problems, budgets, batch_size=50)
+    log.update({"train_seconds": round(train_seconds), "steps": step, "tokens": tokens,
+                "answer_tokens": answer_tokens, "final_eval": final, "final_eval_n": args.final_eval,
+                "budgets": budgets, "families": list(DEEP_FAMILIES)})
+    print("final", json.dumps(final), flush=True)
+    with atomic_dir(out / "final", overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    print(f"saved to {out / 'final'}", flush=True)
 
 
 if __name__ == "__main__":

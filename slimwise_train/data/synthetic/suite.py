@@ -42,6 +42,12 @@ Families (``FAMILIES``)
   ``convert_currency`` (currency names/codes -> upper-case ISO codes). Optional arguments
   not mentioned in the request are omitted. Several requests are joined by " and then ".
 
+Long-context families (opt-in, not in ``FAMILIES``)
+---------------------------------------------------
+``lookup``, ``toolpick``, ``steps`` and ``fewshot`` (``long_context.LONG_FAMILIES``, formats in
+``long_context``'s docstring) go through the same ``generate`` / ``heldout`` / ``solve`` / ``check`` /
+``family_of``; their prompts may span several lines. The default suite, its streams and the recipe are unchanged.
+
 API
 ---
 ``generate(family, n, seed, ...)``  deterministic for ``(family, seed, stream, params,
@@ -86,6 +92,8 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Iterable, Sequence
 
 from .arithmetic import _MATH_OPS, _gen_math, _solve_math
+from .long_context import (LONG_DEFAULT_PARAMS, LONG_FAMILIES, LONG_GENERATORS, LONG_SOLVERS, LONG_SUITE_WEIGHTS,
+                           answer_is_json, check_long_params, gen_fewshot, long_family_of, solve_fewshot)
 from .programs import _LIST_FINALS, _LIST_OPS, _NEVER_EMPTY, _STR_OPS, _allowed_ops, _gen_code, _solve_code
 from .tools import TOOLS, _gen_tool, _solve_tool
 
@@ -185,14 +193,23 @@ _GENERATORS: dict[str, Callable[[random.Random, dict], tuple[str, str, dict]]] =
     "math": _gen_math,
     "code": _gen_code,
     "tool": _gen_tool,
+    **LONG_GENERATORS,  # opt-in long-context families (long_context.py); not in FAMILIES
+    "fewshot": lambda rng, p: gen_fewshot(rng, p, _fewshot_bases()),
 }
-_SOLVERS: dict[str, Callable[[str], str]] = {"math": _solve_math, "code": _solve_code, "tool": _solve_tool}
+_SOLVERS: dict[str, Callable[[str], str]] = {"math": _solve_math, "code": _solve_code, "tool": _solve_tool,
+                                             **LONG_SOLVERS,
+                                             "fewshot": lambda prompt: solve_fewshot(prompt, family_of, solve)}
+
+
+def _fewshot_bases() -> dict[str, tuple[Callable, dict]]:
+    """fewshot's base families: generator and default parameters (math / code / tool: the shipped recipe's)."""
+    return {base: (_GENERATORS[base], _params(base, {})) for base in ("math", "code", "tool", "steps")}
 
 
 def _params(family: str, overrides: dict) -> dict:
-    if family not in DEFAULT_PARAMS:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
-    p = dict(DEFAULT_PARAMS[family])
+    if family not in DEFAULT_PARAMS and family not in LONG_DEFAULT_PARAMS:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES} or the long-context {LONG_FAMILIES}")
+    p = dict(DEFAULT_PARAMS[family] if family in DEFAULT_PARAMS else LONG_DEFAULT_PARAMS[family])
     unknown = set(overrides) - set(p)
     if unknown:
         raise TypeError(f"unknown {family} parameters: {sorted(unknown)}")
@@ -213,6 +230,8 @@ def _params(family: str, overrides: dict) -> dict:
             raise ValueError(f"code final_weights needs {len(_LIST_FINALS)} non-negative weights for {_LIST_FINALS}")
     if not 1 <= int(p["min_steps"]) <= int(p["max_steps"]):
         raise ValueError(f"need 1 <= min_steps <= max_steps, got {p['min_steps']}..{p['max_steps']}")
+    if family in LONG_DEFAULT_PARAMS:
+        check_long_params(family, p)
     return p
 
 
@@ -310,8 +329,44 @@ def generate_splits(
     return train, ev
 
 
+def long_suite(
+    n: int,
+    seed: int,
+    *,
+    weights: dict[str, float] | None = None,
+    exclude: Collection[str] = (),
+    params: dict[str, dict] | None = None,
+    stream: str = "train",
+) -> list[Example]:
+    """Opt-in long-context training mixture: ``n`` examples split by ``weights`` (default
+    ``long_context.LONG_SUITE_WEIGHTS``: lookup, toolpick, steps, fewshot and math / code / tool), shuffled,
+    deterministic for the arguments. ``exclude`` holds held-out prompts: an example is dropped when its prompt or
+    ANY line of it is excluded, so no held-out problem leaks into training as a solved example or a question."""
+    weights = dict(LONG_SUITE_WEIGHTS if weights is None else weights)
+    recipe = {"families": {name: {"weight": w} for name, w in weights.items()}}
+    excluded = frozenset(exclude)
+    out: list[Example] = []
+    for name, count in recipe_counts(recipe, n).items():
+        if count:
+            batch = generate(name, count, seed, stream=stream, exclude=excluded, **(params or {}).get(name, {}))
+            out += [e for e in batch if not any(line in excluded for line in e.prompt.split(SEP))]
+    random.Random(derive_seed(seed, "+".join(weights), stream + "/long-mix")).shuffle(out)
+    return out
+
+
+def long_heldout(
+    families: Sequence[str], n: int, seed: int = 0, params: dict[str, dict] | None = None
+) -> list[Example]:
+    """The first ``n`` held-out examples of each of ``families`` (any registered family; math / code / tool with
+    the default parameters, which are the shipped recipe's, so these are the eval split's first problems)."""
+    return [e for name in families for e in heldout(name, n, seed, **(params or {}).get(name, {}))]
+
+
 def family_of(prompt: str) -> str:
-    """Family of a suite prompt, from its prefix."""
+    """Family of a suite prompt, from its prefix (a prompt of several lines is one of the long families)."""
+    long_family = long_family_of(prompt)
+    if long_family is not None:
+        return long_family
     if prompt.startswith("Q: "):
         return "math"
     if prompt.startswith(("x=", "s=")):
@@ -362,7 +417,7 @@ def check(family: str, prompt: str, output: str, *, ended: bool = True) -> bool:
         return False
     text = output.split(EOS_TEXT, 1)[0].strip()
     ref = solve(family, prompt)
-    if family != "tool":
+    if family != "tool" and not (family in LONG_FAMILIES and answer_is_json(family, _clean_prompt(prompt))):
         return text == ref
     try:
         got = json.loads(text, object_pairs_hook=_no_dup_keys)

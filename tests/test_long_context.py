@@ -1,0 +1,228 @@
+"""Long-context families, packing and the deep teacher's resumable training
+(slimwise_train/data/synthetic/long_context.py, scripts/train_teacher.py --preset deep). Fast: small samples and a
+tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from slimwise_train.data import synthetic as S
+from slimwise_train.data.synthetic import long_context as L
+from slimwise_train.data.synthetic.suite import long_heldout, long_suite
+from slimwise_train.models import ASSETS
+
+LONG = L.LONG_FAMILIES
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+
+
+# sha256 of the default suite's first 300 train (seed 1234) and held-out (seed 0) examples per family and a
+# 50-per-family mixture, computed with the suite as it was before the long families were registered: the shipped
+# teacher and `make demo` depend on these streams byte for byte.
+DEFAULT_SUITE_DIGEST = "bb25f1e3a3df726e8fca66f5f124474e96c373bd196d33cad9041da7908ab27c"
+
+
+def test_default_suite_is_unchanged():
+    assert S.FAMILIES == ("math", "code", "tool")
+    assert set(S.DEFAULT_PARAMS) == set(S.FAMILIES)
+    digest = hashlib.sha256()
+    for family in S.FAMILIES:
+        for stream in ("train", "heldout"):
+            for e in S.generate(family, 300, 1234 if stream == "train" else 0, stream=stream):
+                digest.update(json.dumps([e.family, e.prompt, e.answer, e.meta]).encode())
+    for e in S.generate_mixture(50, 7):
+        digest.update(json.dumps([e.family, e.prompt, e.answer]).encode())
+    assert digest.hexdigest() == DEFAULT_SUITE_DIGEST
+
+
+@pytest.mark.parametrize("family", LONG)
+def test_deterministic_for_seed(family):
+    a = S.generate(family, 12, seed=3)
+    assert a == S.generate(family, 12, seed=3)
+    assert [e.prompt for e in a] != [e.prompt for e in S.generate(family, 12, seed=4)]
+    assert S.generate(family, 5, seed=3) == a[:5]  # prefix-stable
+    assert S.heldout(family, 5)[0].prompt not in {e.prompt for e in a}
+
+
+@pytest.mark.parametrize("family", LONG)
+def test_tokenizer_round_trip_without_unknowns(tok, family):
+    for e in S.generate(family, 40, seed=7):
+        prompt, answer = S.to_text(e)
+        ids = tok(prompt + answer, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert tok.decode(ids) == prompt + answer
+        assert len(prompt) + len(answer) <= 1000  # max_chars: fits a 1024-token sequence with EOS
+
+
+@pytest.mark.parametrize("family", LONG)
+def test_checker_accepts_reference_and_rejects_corruption(family):
+    for e in S.generate(family, 30, seed=11) + S.heldout(family, 10):
+        assert S.family_of(e.prompt) == family
+        assert S.solve(family, e.prompt) == e.answer
+        assert S.check(family, e.prompt, e.answer)
+        prompt, answer = S.to_text(e)
+        assert S.check(family, prompt, answer + " \n")
+        assert not S.check(family, e.prompt, e.answer, ended=False)
+        assert "\n" not in e.answer
+        digits = [m.start() for m in re.finditer(r"\d", e.answer)]
+        if digits:  # change the last digit: a different retrieved value / argument / total
+            i = digits[-1]
+            corrupted = e.answer[:i] + str((int(e.answer[i]) + 1) % 10) + e.answer[i + 1:]
+            assert not S.check(family, e.prompt, corrupted)
+        assert not S.check(family, e.prompt, e.answer[: len(e.answer) // 2])
+
+
+def test_hand_written_examples():
+    table = "table: name|id|city\nkalo|482|Oslo\nmiru|915|New York\nfind name=miru: city"
+    assert S.solve("lookup", table) == "city=New York"
+    assert S.solve("lookup", table + "\ncity=New York\nfind id=482: name,city") == "name=kalo;city=Oslo"
+    with pytest.raises(ValueError):  # a wrong solved example makes the prompt non-canonical
+        S.solve("lookup", table + "\ncity=Oslo\nfind id=482: name")
+    tools = "tools:\nforecast(location:str)\nbook_hotel(city:str,nights:int)\nuser: reserve 3 nights in Cairo"
+    assert json.loads(S.solve("toolpick", tools)) == {"name": "book_hotel", "arguments": {"city": "Cairo", "nights": 3}}
+    assert S.check("toolpick", tools, '{"arguments":{"nights":3,"city":"Cairo"},"name":"book_hotel"}')  # key order
+    assert not S.check("toolpick", tools, '{"name":"book_hotel","arguments":{"city":"Cairo","nights":"3"}}')
+    steps = "steps: 57 +53 -25 *3 +52"
+    assert S.solve("steps", steps) == "57+53=110;110-25=85;85*3=255;255+52=307;A=307"
+    shots = "Q: 6*5+3=\n6*5=30;30+3=33;A=33\nQ: 9*3-7="
+    assert S.family_of(shots) == "fewshot" and S.solve("fewshot", shots) == "9*3=27;27-7=20;A=20"
+    with pytest.raises(ValueError):
+        S.solve("fewshot", "Q: 6*5+3=\n6*5=30;30+3=34;A=34\nQ: 9*3-7=")
+
+
+def test_answers_are_copied_from_the_prompt():
+    for e in S.generate("lookup", 40, seed=2):
+        _, rows, questions = L._parse_lookup(e.prompt)
+        key, value = re.fullmatch(r"find (name|id)=(\w+): [a-z,]+", questions[-1]).groups()
+        (row,) = [r for r in rows if r[key] == value]
+        for pair in e.answer.split(";"):
+            field, copied = pair.split("=", 1)
+            assert row[field] == copied
+    for e in S.generate("toolpick", 40, seed=2):
+        call = json.loads(e.answer)
+        assert f"\n{call['name']}(" in e.prompt  # the offered spelling
+        request = e.prompt.split("\n")[-1]
+        assert all(str(v) in request for v in call["arguments"].values())
+    for e in S.generate("toolpick", 40, seed=3):
+        assert len(L._parse_toolpick(e.prompt)[0]) >= 2
+
+
+def test_long_heldout_of_the_short_families_is_the_eval_split():
+    recipe = S.recipe_params(S.load_recipe())
+    expected = [e for f in S.FAMILIES for e in S.heldout(f, 20, 0, **recipe[f])]
+    assert long_heldout(S.FAMILIES, 20) == expected
+
+
+def test_training_mixture_excludes_heldout_even_inside_few_shot():
+    heldout = long_heldout(("fewshot", "math", "lookup"), 30)
+    exclude = frozenset(e.prompt for e in heldout) | frozenset(S.heldout_prompts("math", 400))
+    train = long_suite(300, seed=5, exclude=exclude)
+    assert {e.family for e in train} == set(L.LONG_SUITE_WEIGHTS)
+    for e in train:
+        assert e.prompt not in exclude
+        assert not any(line in exclude for line in e.prompt.split("\n"))
+
+
+def test_packing_supervises_answers_only_and_respects_seq_len(tok):
+    examples = long_suite(120, seed=9)
+    for shots in (False, True):
+        encoded = [L.encode_packed(tok, e, supervise_shots=shots) for e in examples]
+        for e, (ids, labels) in zip(examples, encoded):
+            prompt, answer = S.to_text(e)
+            assert ids == tok(prompt + answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            supervised = [t for t in labels if t != -100]
+            answer_ids = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            if not shots or not L.shot_answer_lines(e.family, e.prompt):
+                assert supervised == answer_ids
+                assert labels[-len(answer_ids):] == answer_ids
+            else:  # the solved answers' tokens, then the asked answer; never a prompt's question or newline
+                lines = e.prompt.split("\n")
+                solved = [t for i in L.shot_answer_lines(e.family, e.prompt)
+                          for t in tok(lines[i], add_special_tokens=False)["input_ids"]]
+                assert supervised == solved + answer_ids
+        sequences, dropped = L.pack_sequences(encoded, 1024, seed=1)
+        assert dropped == 0
+        assert all(len(ids) == len(labels) <= 1024 for ids, labels in sequences)
+        assert sum(ids.count(tok.eos_token_id) for ids, _ in sequences) == len(examples)  # every example, once
+        assert sorted(t for ids, _ in sequences for t in ids) == sorted(t for ids, _ in encoded for t in ids)
+        assert sum(len(ids) for ids, _ in sequences) > 0.85 * 1024 * len(sequences)  # well filled
+    long_one = [([5] * 40, [-100] * 39 + [1])]
+    assert L.pack_sequences(long_one, 32) == ([], 1)
+
+
+def test_packed_batches_resume_at_their_position(tok):
+    def chunk(c):
+        return long_suite(24, 4 + 1000 * c)
+
+    stream = L.packed_batches(tok, chunk, seq_len=256, batch_size=2, seed=4)
+    first = [next(stream) for _ in range(7)]
+    assert first[0][1].shape[1] <= 256
+    position = first[3][0]
+    resumed = L.packed_batches(tok, chunk, seq_len=256, batch_size=2, seed=4, start=position)
+    for (_, ids, labels), (_, ids2, labels2) in zip(first[4:], resumed):
+        assert torch.equal(ids, ids2) and torch.equal(labels, labels2)
+
+
+def _train_teacher():
+    spec = importlib.util.spec_from_file_location("train_teacher", ASSETS.parents[1] / "scripts" / "train_teacher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def keep_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_deep_preset_checkpoints_and_resumes_exactly(tmp_path, capsys, keep_threads):
+    T = _train_teacher()
+    assert T.parse_args([]).layers == 4 and T.parse_args([]).max_positions == 512  # the shipped recipe is untouched
+    assert T.parse_args(["--preset", "deep"]).layers >= 12 and T.parse_args(["--preset", "deep"]).max_positions >= 2048
+    tiny = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
+            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "50", "--warmup", "2",
+            "--examples-per-chunk", "16", "--final-eval", "1", "--heldout-exclude", "20", "--log-every", "1",
+            "--threads", "1"]
+    T.main(tiny + ["--out", str(tmp_path / "a"), "--steps-this-run", "3"])
+    state = json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 3 and state["args"]["layers"] == 2 and tuple(state["position"]) != (0, 0)
+    assert {"model.safetensors", "optimizer.pt", "rng.pt", "config.json"} <= {
+        p.name for p in (tmp_path / "a" / "checkpoint").iterdir()}
+    with pytest.raises(SystemExit, match="--resume"):  # an existing checkpoint is never overwritten silently
+        T.main(tiny + ["--out", str(tmp_path / "a"), "--steps-this-run", "1"])
+    T.main(["--preset", "deep", "--out", str(tmp_path / "a"), "--resume", "--steps-this-run", "2", "--threads", "1"])
+    assert "resumed from" in capsys.readouterr().out
+    assert json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())["step"] == 5
+    T.main(tiny + ["--out", str(tmp_path / "b"), "--steps-this-run", "5"])  # the same 5 steps without a pause
+    resumed = load_file(tmp_path / "a" / "checkpoint" / "model.safetensors")
+    straight = load_file(tmp_path / "b" / "checkpoint" / "model.safetensors")
+    assert all(torch.allclose(resumed[k], straight[k], atol=1e-6) for k in straight)
+    with pytest.raises(SystemExit, match="--resume: no checkpoint"):
+        T.main(["--preset", "deep", "--out", str(tmp_path / "none"), "--resume"])
+
+
+def test_deep_preset_finishes_with_an_evaluated_final_model(tmp_path, monkeypatch, keep_threads):
+    T = _train_teacher()
+    monkeypatch.setattr(T, "family_budgets", lambda problems: {p.family: 3 for p in problems})  # a quick eval
+    T.main(["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
+            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "2", "--warmup", "1",
+            "--examples-per-chunk", "16", "--final-eval", "2", "--heldout-exclude", "20", "--threads", "1",
+            "--out", str(tmp_path / "c")])
+    log = json.loads((tmp_path / "c" / "final" / "training_log.json").read_text())
+    assert log["steps"] == 2 and set(log["final_eval"]) == set(T.DEEP_FAMILIES)
+    assert log["runs"][-1]["stop"] == "finished"
+    assert (tmp_path / "c" / "final" / "model.safetensors").is_file()
+    assert (tmp_path / "c" / "final" / "tokenizer.json").is_file()
