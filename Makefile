@@ -30,8 +30,13 @@ $(STAMP): pyproject.toml scripts/build_llama_cpp.sh
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# In-process tests only: no multi-process (dist), slow or child-process (subprocess: CLI runs, torchrun) tier.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not dist and not slow"
+	$(PY) -m pytest -q -m "not dist and not slow and not subprocess"
+
+# The multi-process gloo tier alone.
+test-dist: $(STAMP)
+	$(PY) -m pytest -q -m dist
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

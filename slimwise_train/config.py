@@ -11,7 +11,7 @@ import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, List, Literal, Optional, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Dict, List, Literal, Optional, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -37,6 +37,30 @@ Recompute = Literal["none", "moe", "layer"]
 # teacher = the full model (the SlimWise setting: full prefill, pruned decode) | student = the student itself, with
 # gradients through its prefill (the conventional + distill setting: the pruned student serves both phases).
 PrefixFrom = Literal["teacher", "student"]
+# prune.criterion: the scores of prune/criteria.py (its CRITERIA registry is built from this list, in this order).
+Criterion = Literal["frequency", "mass", "mass_routed", "ean", "reap"]
+# prune.scope: layer = the same count per layer | global = one ranking over all layers, >= top_k kept per layer.
+PruneScope = Literal["layer", "global"]
+# engine.name: torch (single process / DDP) | zero1 | zero2 | zero3 (DeepSpeed); the ZeRO stage is its position.
+EngineName = Literal["torch", "zero1", "zero2", "zero3"]
+# The one mapping engine name -> ZeRO stage (distill/engine.py and plan/memory.py read it; `zero_stage` below).
+ZERO_STAGE: Dict[str, int] = {name: stage for stage, name in enumerate(get_args(EngineName))}
+Precision = Literal["auto", "fp32", "bf16"]  # engine.precision: auto = bf16 on GPU, fp32 on CPU
+Backend = Literal["auto", "nccl", "gloo"]  # engine.backend (process group): auto = nccl on GPU, gloo on CPU
+LoggerName = Literal["none", "wandb"]  # logger.name: none = metrics.jsonl only | wandb = metrics.jsonl + W&B
+WandbMode = Literal["auto", "online", "offline", "disabled"]  # logger.mode (auto: `wandb_mode` below)
+# model.dtype: auto (bf16 on GPU, fp32 on CPU) or a torch dtype by name (models.py maps each name to its dtype).
+ModelDtype = Literal["auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"]
+PlanDevice = Literal["cuda", "cpu"]  # plan.device: cuda = bf16 on GPUs | cpu = fp32 (the bench's setting)
+# eval.modes items, in their report order (eval/modes.py MODES is this list): full | conventional (pruned prefill and
+# decode) | slimwise (full prefill, pruned decode) | reverse (pruned prefill, full decode) | conventional_distill (the
+# distilled student prefills and decodes) | slimwise_distill (full prefill, distilled student decode).
+EvalMode = Literal["full", "conventional", "slimwise", "reverse", "conventional_distill", "slimwise_distill"]
+
+
+def zero_stage(engine_cfg) -> int:
+    """The ZeRO stage of `engine.name` (0 for torch): derived from the name, never configured."""
+    return ZERO_STAGE[str(engine_cfg.name if not isinstance(engine_cfg, str) else engine_cfg)]
 
 
 @dataclass
@@ -51,7 +75,7 @@ class ModelConfig:
     tiny: Optional[str] = None
     tiny_overrides: dict = field(default_factory=dict)  # config.json fields a tiny preset overrides
     tokenizer: Optional[str] = None  # defaults to `path`; tiny models default to the shipped synthetic tokenizer
-    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    dtype: Annotated[str, ModelDtype] = "auto"  # auto: bf16 on GPU, fp32 on CPU
     revision: Optional[str] = None  # hub revision (branch, tag or commit) of model.path
     trust_remote_code: bool = False  # allow the checkpoint's own modelling code (hub models that need it)
     experts_implementation: Optional[str] = None  # transformers backend: grouped_mm, eager, batched_mm, ...
@@ -79,9 +103,9 @@ class DataConfig:
 
 @dataclass
 class PruneConfig:
-    criterion: str = "reap"  # frequency | mass | mass_routed | ean | reap
+    criterion: Annotated[str, Criterion] = "reap"  # frequency | mass | mass_routed | ean | reap
     ratio: float = 0.5  # share of routed experts removed per layer (0, 1)
-    scope: str = "layer"  # layer: same count per layer | global: one ranking, >= top_k per layer
+    scope: Annotated[str, PruneScope] = "layer"  # layer: same count per layer | global: one ranking, >= top_k per layer
     keep_set: Optional[str] = None  # trainer/eval: an existing keep_set.json instead of scoring
     scores: Optional[str] = None  # reuse an existing scores.safetensors instead of calibrating
     cache_dir: str = ".cache/slimwise/scores"  # statistics cache keyed by model + calibration data
@@ -109,13 +133,21 @@ class TrainableConfig:
 
 
 @dataclass
-class DistillConfig:
-    # loss: ce_weight x CE + kl_weight x KL(teacher || student) over the teacher's top_k + one residual bucket
-    ce_weight: float = 0.1
-    kl_weight: float = 0.9  # weight of KL(teacher || student) on the teacher's top-k + residual bucket
-    top_k: int = 64  # teacher tokens kept per position for the KL (the rest in one residual bucket)
-    kl_loss: str = "topk_residual_kl"  # topk_residual_kl | full_kl
+class LossConfig:
+    """distill.loss: sum over `terms` of weight x term, per continuation token (distill/objective.py). The terms are
+    named in distill/losses.py (TERMS): ce (CE on the data tokens), kl (KL(teacher || student) over the teacher's
+    top_k tokens + one residual bucket), full_kl (the dense KL); weight 0 = off. Add one: +distill.loss.terms.<name>=w"""
+
+    # {name: weight}: terms of distill/losses.py TERMS (ce | kl | full_kl | a registered one); 0 = off; add one with
+    # +distill.loss.terms.<name>=<weight>
+    terms: Dict[str, float] = field(default_factory=lambda: {"ce": 0.1, "kl": 0.9})
+    top_k: int = 64  # teacher tokens kept per position for the kl term (the rest in one residual bucket)
     chunk_size: int = 1024  # loss rows per chunk (bounded memory at a 152k vocabulary)
+
+
+@dataclass
+class DistillConfig:
+    loss: LossConfig = field(default_factory=LossConfig)  # the objective: named, weighted terms (LossConfig)
     # student: what trains (all three kinds by default)
     shared_expert_intermediate_size: Optional[int] = None  # default: the routed expert size
     # where the shared expert goes (SharedExpertMode above): auto = native where the family has a slot (Qwen2-MoE,
@@ -176,11 +208,11 @@ class DistillConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = "torch"  # torch (single process / DDP) | zero1 | zero2 | zero3 (DeepSpeed)
-    zero_stage: int = 0  # set by the engine group; must match name
+    # torch (single process / DDP) | zero1 | zero2 | zero3 (DeepSpeed); the ZeRO stage follows: zero_stage(engine)
+    name: Annotated[str, EngineName] = "torch"
     offload_optimizer: bool = False  # zero2 / zero3: optimizer state and step on CPU
-    precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
-    backend: str = "auto"  # process-group backend: auto -> nccl on GPU, gloo on CPU
+    precision: Annotated[str, Precision] = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    backend: Annotated[str, Backend] = "auto"  # process-group backend: auto -> nccl on GPU, gloo on CPU
     # zero3 only. partitioned_load: the frozen model is partitioned while it loads (no rank holds it whole).
     partitioned_load: bool = True
     max_live_parameters: int = 1_000_000_000  # DeepSpeed stage3_max_live_parameters
@@ -194,12 +226,12 @@ class EngineConfig:
 
 @dataclass
 class LoggerConfig:
-    name: str = "none"  # none (metrics.jsonl only) | wandb (metrics.jsonl + W&B)
+    name: Annotated[str, LoggerName] = "none"  # none (metrics.jsonl only) | wandb (metrics.jsonl + W&B)
     project: str = "slimwise"  # W&B project
     entity: Optional[str] = None  # W&B entity (team or user); null: the API key's default
     run_name: Optional[str] = None  # W&B run name; null: <criterion>-r<ratio>
     group: Optional[str] = None  # W&B group; logger=wandb: ${sweep_group:} (the multirun's sweep, none in a single run)
-    mode: str = "auto"  # auto: online with WANDB_API_KEY, else offline | online | offline | disabled
+    mode: Annotated[str, WandbMode] = "auto"  # auto: online with WANDB_API_KEY, else offline | online | offline | disabled
     tags: list = field(default_factory=list)  # W&B tags
 
 
@@ -236,7 +268,7 @@ class TrainAppConfig:
     device: str = "auto"
     cpu_threads: Optional[int] = None  # torch intra-op threads when running on CPU; None: torch's default
     progress: bool = True  # a step progress bar on rank 0 (stderr)
-    extra: dict = field(default_factory=dict)  # test hooks: kill_after_step, kill_in_checkpoint_at_step, nan_at_steps
+    extra: dict = field(default_factory=dict)  # test faults (testing/faults.py): kill_after_step, nan_at_steps, ...
 
 
 @dataclass
@@ -245,8 +277,7 @@ class EvalConfig:
     # full | conventional (pruned prefill+decode) | slimwise (full prefill, pruned decode) | reverse (pruned prefill,
     # full decode) | conventional_distill (the distilled student prefills and decodes: prune + distill) |
     # slimwise_distill (full prefill, distilled student decode); the two *_distill modes need `student`
-    modes: List[str] = field(default_factory=lambda: ["full", "conventional", "slimwise", "reverse",
-                                                      "conventional_distill", "slimwise_distill"])
+    modes: Annotated[List[str], EvalMode] = field(default_factory=lambda: list(get_args(EvalMode)))
     student: Optional[str] = None  # exported student checkpoint folder (from_pretrained) for the *_distill modes
     families: List[str] = field(default_factory=lambda: ["math", "code", "tool"])  # suite families evaluated
     num_per_family: int = 200  # held-out problems per family
@@ -277,11 +308,11 @@ class PlanAppConfig:
     model: ModelConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)  # seq_len and batch_size (the micro batch per rank)
     prune: PruneConfig = field(default_factory=PruneConfig)  # ratio: the keep set (uniform) of the student
-    distill: DistillConfig = field(default_factory=DistillConfig)  # recompute, chunk_size, top_k, min_split, student
+    distill: DistillConfig = field(default_factory=DistillConfig)  # recompute, loss, min_split, student
     engine: EngineConfig = field(default_factory=EngineConfig)
     world_size: int = 8  # ranks (GPUs) the run is spread over
     gpu_memory_gib: float = 80.0  # memory per GPU the plan must fit in
-    device: str = "cuda"  # cuda: bf16 on GPUs | cpu: fp32, to compare with `python -m slimwise_train.bench memory`
+    device: Annotated[str, PlanDevice] = "cuda"  # cuda: bf16 on GPUs | cpu: fp32, to compare with `python -m slimwise_train.bench memory`
     # The micro-batch's prefix and continuation widths; null: the split rule's worst case (a min_split-token prefix,
     # data.seq_len - min_split continuation tokens).
     prefix_tokens: Optional[int] = None
@@ -365,7 +396,7 @@ def check_known_keys(cfg: Any, schema: type, where: str = "") -> None:
     Hydra lets `+group.key=value` add keys to a structured config (the fix it suggests for a typo), which would
     otherwise be ignored silently; free-form `dict` fields (tiny_overrides, extra) are not checked.
     """
-    from omegaconf import DictConfig
+    from omegaconf import DictConfig, ListConfig
 
     fields = {f.name: f for f in dataclasses.fields(schema)}
     allowed = field_choices(schema)
@@ -375,9 +406,14 @@ def check_known_keys(cfg: Any, schema: type, where: str = "") -> None:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean {where + '.' if where else ''}{close[0]}? " if close else ""
             raise ValueError(f"unknown config key {path!r}: {hint}known keys here: {', '.join(fields)}")
-        if key in allowed and cfg[key] not in allowed[key]:
-            names = ", ".join("null" if c is None else str(c) for c in allowed[key])
-            raise ValueError(f"{path}={cfg[key]!r} is not one of: {names}")
+        if key in allowed:
+            # a list field (eval.modes) is annotated with the Literal of its items
+            is_list = isinstance(cfg[key], ListConfig)
+            bad = [value for value in (list(cfg[key]) if is_list else [cfg[key]]) if value not in allowed[key]]
+            if bad:
+                names = ", ".join("null" if c is None else str(c) for c in allowed[key])
+                shown = f"{path}={list(cfg[key])!r}: {bad[0]!r}" if is_list else f"{path}={bad[0]!r}"
+                raise ValueError(f"{shown} is not one of: {names}")
         sub_type = fields[key].type
         sub_schema = globals().get(sub_type) if isinstance(sub_type, str) else sub_type
         value = cfg._get_node(key)
@@ -405,21 +441,20 @@ def _integer(value) -> int | None:
 
 
 # DistillConfig's numbers that no run can use otherwise: (key, lowest, lowest allowed too, rule, a valid example).
-_DISTILL_AT_LEAST_ONE = ("max_steps", "top_k", "chunk_size", "grad_accum", "log_every", "save_every", "eval_every",
+_DISTILL_AT_LEAST_ONE = ("max_steps", "grad_accum", "log_every", "save_every", "eval_every",
                          "eval_batches", "eval_samples", "max_nan_steps", "keep_checkpoints", "bucket_windows")
 _DISTILL_RANGES = (
     ("lr", 0.0, False, "a finite number > 0", "1e-4"),
     ("adam_eps", 0.0, False, "a finite number > 0", "1e-8"),
     ("weight_decay", 0.0, True, "a finite number >= 0", "0.0"),
     ("grad_clip", 0.0, True, "a finite number >= 0 (0 disables clipping)", "1.0"),
-    ("ce_weight", 0.0, True, "a finite number >= 0", "0.1"),
-    ("kl_weight", 0.0, True, "a finite number >= 0", "0.9"),
 )
 
 
 def check_distill_config(d, key: str = "distill") -> None:
-    """Refuse a distill.* value no run can use (a learning rate <= 0, zero steps, a negative loss weight, ...) in one
-    line naming the key and a valid value. Needs neither the model nor the data: the trainer calls it first."""
+    """Refuse a distill.* value no run can use (a learning rate <= 0, zero steps, ...) in one line naming the key and a
+    valid value. Needs neither the model nor the data: the trainer calls it first. distill.loss is checked against the
+    term registry by distill/objective.check_loss_config."""
     for name in _DISTILL_AT_LEAST_ONE:
         value = _integer(d.get(name))
         if value is None or value < 1:
@@ -433,9 +468,6 @@ def check_distill_config(d, key: str = "distill") -> None:
         number = _number(d.get(name))
         if number is None or number < low or (number == low and not inclusive):
             raise ValueError(f"{key}.{name}={d.get(name)} is invalid: it must be {rule}; e.g. {key}.{name}={example}")
-    if float(d.ce_weight) + float(d.kl_weight) == 0:
-        raise ValueError(f"{key}.ce_weight and {key}.kl_weight are both 0, so the loss is 0; e.g. "
-                         f"{key}.kl_weight=0.9 {key}.ce_weight=0.1")
     ratio = _number(d.get("min_lr_ratio"))
     if ratio is None or not 0 <= ratio <= 1:
         raise ValueError(f"{key}.min_lr_ratio={d.get('min_lr_ratio')} is invalid: the cosine ends at min_lr_ratio x "

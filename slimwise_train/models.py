@@ -7,10 +7,12 @@ import contextlib
 import logging
 import os
 from pathlib import Path
+from typing import get_args
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slimwise_train.config import ModelDtype
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.utils.distributed import is_partitioned
 from slimwise_train.utils.hf import text_config
@@ -21,8 +23,9 @@ SHIPPED_TOKENIZER = ASSETS / "tokenizer"
 log = logging.getLogger("slimwise.models")
 _TINY_NOTICE_SHOWN: set = set()  # (preset, model_type) whose notice this process logged (the trainer loads twice)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+# model.dtype's names (config.ModelDtype, the one list; `auto` aside) -> their torch dtypes, in its order.
+_DTYPES = dict(zip(get_args(ModelDtype)[1:], (torch.float32, torch.float32, torch.bfloat16, torch.bfloat16,
+                                              torch.float16, torch.float16), strict=True))
 
 
 def resolve_device(device: str = "auto") -> torch.device:

@@ -7,6 +7,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Shared helpers (an app's composed config, the tiny runs' override lists, a CLI child's environment) are plain
+# functions in tests/helpers.py, usable from module-scoped fixtures too. Tiers: markers in pyproject.toml; every test
+# that starts a child process is marked `subprocess` (tests/test_layout.py checks it).
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

@@ -23,7 +23,12 @@ TINY = {
 
 
 # memory and lm_eval launch subprocesses on saved checkpoints: their own tests (below, tests/test_lm_eval.py)
-@pytest.mark.parametrize("name", sorted(n for n in BENCHES if n not in ("memory", "lm_eval")))
+# loss and train measure memory in a `python -c` child each, engine runs llama-server: those three are marked.
+SPAWNING_BENCHES = ("engine", "loss", "train")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.subprocess) if n in SPAWNING_BENCHES else n
+                                  for n in sorted(n for n in BENCHES if n not in ("memory", "lm_eval"))])
 def test_bench_subcommand_prints_one_json_line(name, capsys):
     assert main([name, *TINY[name]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -136,6 +141,7 @@ def test_bench_help_lists_every_bench(capsys):
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess  # launches torchrun (bench/memory.py)
 def test_bench_memory_reports_every_rank_and_the_targets(capsys):
     """A small checkpoint at 2 ranks (the real run is ~240M parameters): the structure, and the one relation that
     holds at any size: a ZeRO-3 rank holds half the parameters an engine=torch rank holds."""

@@ -14,9 +14,8 @@ import pytest
 
 from slimwise_train.utils.cli import _override_variants, threads_for_this_process
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-APPS = {"prune": "slimwise_train.prune", "train": "slimwise_train", "eval": "slimwise_train.eval",
-        "plan": "slimwise_train.plan"}
+from helpers import APPS
+from helpers import CHILD_ENV as ENV
 
 
 def run(app: str, args: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -45,6 +44,7 @@ def tree(root: Path) -> list[str]:
     ("prune", "prune.ratoi=0.3", "Key 'ratoi' not in 'PruneConfig'; did you mean ratio?"),
     ("eval", "eval.budget=lots", "eval.budget must be >= 1 token per family"),
 ])
+@pytest.mark.subprocess
 def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override, expected):
     start = time.perf_counter()
     proc = run(app, [override], cwd=tmp_path)
@@ -55,6 +55,7 @@ def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override,
     assert time.perf_counter() - start < 60  # before any model loads
 
 
+@pytest.mark.subprocess
 def test_every_value_of_a_sweep_is_checked_before_the_first_job(tmp_path):
     proc = run("prune", ["--multirun", "prune.ratio=0.25,abc"], cwd=tmp_path)
     assert "prune.ratio=abc" in the_error(proc, "prune")
@@ -63,6 +64,7 @@ def test_every_value_of_a_sweep_is_checked_before_the_first_job(tmp_path):
     assert variants == [["a=1", "b=x", "c=3"], ["a=2", "b=x", "c=3"], ["a=1", "b=x", "c=4"], ["a=1", "b=x", "c=5"]]
 
 
+@pytest.mark.subprocess
 def test_an_output_folder_that_cannot_be_created_is_named(tmp_path):
     (tmp_path / "a-file").write_text("")
     proc = run("prune", [f"hydra.run.dir={tmp_path / 'a-file' / 'run'}"], cwd=tmp_path)
@@ -73,10 +75,11 @@ def test_an_output_folder_that_cannot_be_created_is_named(tmp_path):
 
 @pytest.mark.parametrize("app, bad", [
     ("prune", "prune.ratio=2"),
-    ("train", "distill.kl_weight=-1"),
+    ("train", "distill.loss.terms.kl=-1"),
     ("eval", "eval.num_per_family=0"),
     ("plan", "gpu_memory_gib=0"),
 ])
+@pytest.mark.subprocess
 def test_a_run_refused_for_bad_input_leaves_no_folder_and_no_log(tmp_path, app, bad):
     proc = run(app, [bad, f"hydra.run.dir={tmp_path / 'outputs' / 'deep' / 'run'}", f"output_dir={tmp_path / 'o'}"]
                if app == "train" else [bad, f"hydra.run.dir={tmp_path / 'outputs' / 'deep' / 'run'}"], cwd=tmp_path)
@@ -84,6 +87,7 @@ def test_a_run_refused_for_bad_input_leaves_no_folder_and_no_log(tmp_path, app, 
     assert tree(tmp_path) == []
 
 
+@pytest.mark.subprocess
 def test_a_refused_rerun_keeps_the_folder_and_the_log_it_had(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -95,6 +99,7 @@ def test_a_refused_rerun_keeps_the_folder_and_the_log_it_had(tmp_path):
     assert (run_dir / "prune.log").read_text() == "the earlier run's log\n"
 
 
+@pytest.mark.subprocess
 def test_the_thread_count_is_the_environment_s_or_the_physical_cores_and_is_logged(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads_for_this_process() == (3, "OMP_NUM_THREADS")
@@ -107,6 +112,7 @@ def test_the_thread_count_is_the_environment_s_or_the_physical_cores_and_is_logg
     assert f"torch threads: {threads} (physical cores" in proc.stdout + proc.stderr
 
 
+@pytest.mark.subprocess
 def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_path):
     """An aborted eval used to leave a timestamped folder holding only eval.log (issue 26 item 7)."""
     import signal
@@ -168,6 +174,7 @@ def test_a_key_error_is_a_bug_and_bad_input_is_a_value_error(tmp_path, capsys):
         check_recipe({"splits": recipe["splits"]})
 
 
+@pytest.mark.subprocess
 def test_the_folder_checked_is_the_folder_hydra_runs_in_even_with_a_clock_in_its_name(tmp_path):
     """hydra.run.dir with ${now:...} resolves once in the pre-check and again in Hydra's own config (a new clock
     reading): microseconds always differ, so a refused run left Hydra's folder behind until the folder was pinned."""

@@ -82,6 +82,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess
 def test_submitit_local_zero2_two_ranks_equal_torchrun_bitwise(runs):
     sub, ref = runs / "sweep" / "reap-r0.5", runs / "torchrun"
     s = summary(sub)
@@ -98,6 +99,7 @@ def test_submitit_local_zero2_two_ranks_equal_torchrun_bitwise(runs):
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess
 def test_sweep_through_the_local_submitit_launcher_writes_both_runs(runs):
     sweep = runs / "sweep"
     ports = set()
@@ -139,6 +141,7 @@ exit 1
     ("slimwise_train.prune", "prune.ratio=0.25,0.5,0.75"),
     ("slimwise_train.eval", "eval.num_per_family=10,20,40"),
 ])
+@pytest.mark.subprocess
 def test_every_app_submits_an_8gpu_x_2node_sbatch_array(tmp_path, app, sweep):
     bin_dir, capture = tmp_path / "bin", tmp_path / "capture"
     bin_dir.mkdir()
@@ -218,6 +221,7 @@ def test_a_bare_srun_task_becomes_its_rank_but_an_sbatch_shell_does_not(bare_env
     assert env_from_job_launcher() == {}
 
 
+@pytest.mark.subprocess
 def test_submitit_tasks_do_not_die_with_their_parent_torchrun_ranks_do(tmp_path):
     # PR_SET_PDEATHSIG (rundir.die_with_launcher) is for torchrun workers only: a submitit task's parent is the
     # local controller or slurmstepd, which stop their tasks themselves.

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.data import synthetic
-from slimwise_train.config import CONF_DIR
 from slimwise_train.eval.app import run_eval
 from slimwise_train.eval.generation import Generation, build_problems, family_budgets, plan_batches
 from slimwise_train.eval.metrics import collapse_share, length_stats, p90, score_run, summarize
@@ -34,6 +32,8 @@ from slimwise_train.models import SHIPPED_TOKENIZER, load_model
 from slimwise_train.moe.pruning import export_pruned, prune_experts_
 from slimwise_train.testing.tiny import tiny_model
 
+from helpers import compose_config
+
 REPO = Path(__file__).resolve().parents[1]
 KEPT = [[0, 2, 5, 7], [1, 3, 4, 6]]
 BUDGET = 16
@@ -43,8 +43,7 @@ EOS_RATE = 0.07
 
 
 def _compose(out, *overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("eval", overrides=[f"output_dir={out}", "progress=false", *overrides])
+    return compose_config("eval", f"output_dir={out}", "progress=false", *overrides)
 
 
 def _boost_eos(model, tokenizer, rate=EOS_RATE):
@@ -337,7 +336,8 @@ def _different_student(root, model):
     ("other_model_keep_set", ValueError, "it was made for another model"),
     ("missing_student", FileNotFoundError, "eval.student .*nowhere is not a checkpoint folder"),
     ("student_of_another_keep_set", ValueError, "eval.student was pruned with a keep set .* none of eval.keep_sets"),
-    ("unknown_mode", ValueError, r"unknown eval.modes \['slimwize'\]"),
+    ("unknown_mode", ValueError, r"^eval.modes=\['full', 'slimwize'\]: 'slimwize' is not one of: full, conventional, "
+                                 r"slimwise, reverse, conventional_distill, slimwise_distill$"),
     ("zero_budget", ValueError, "eval.budget must be >= 1"),
 ])
 def test_bad_input_fails_with_one_line_and_writes_nothing(setup, tmp_path, case, error, message):
@@ -358,6 +358,7 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(setup, tmp_path, case,
     assert not out.exists()
 
 
+@pytest.mark.subprocess
 def test_cli_error_is_one_line_with_exit_code_2(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(

@@ -51,6 +51,7 @@ def test_a_live_jobs_folder_is_refused_with_host_and_pid(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.subprocess
 def test_a_stale_lock_is_taken_over_and_released_at_the_end(tmp_path, caplog):
     (tmp_path / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": dead_pid()}))
     with caplog.at_level("WARNING"):
@@ -109,6 +110,27 @@ def test_stale_export_temporaries_are_removed_at_start(tmp_path):
     names = {p.name for p in tmp_path.iterdir()}
     assert ".export.abc123.tmp" not in names and ".metrics.jsonl.x1.tmp" not in names and "keep_me.txt" in names
     assert LOCK_NAME not in names  # released by close()
+
+
+# --------------------------------------------------------------------------- the test faults (testing/faults.py)
+
+
+def test_fault_hooks_fire_only_at_their_steps_and_an_unknown_one_is_refused(tmp_path):
+    import math
+
+    import torch
+
+    from slimwise_train.distill.trainer import StepHooks
+    from slimwise_train.testing.faults import FaultHooks, kill_self
+
+    hooks = FaultHooks.from_config({"nan_at_steps": [2], "kill_in_checkpoint_at_step": 4})
+    one = torch.tensor(1.0)
+    assert math.isnan(hooks.loss(1, one)) and hooks.loss(0, one) is one and hooks.loss(2, one) is one  # step 2 = index 1
+    assert hooks.before_checkpoint_publish(4) is kill_self and hooks.before_checkpoint_publish(2) is None
+    hooks.after_step(5)  # kill_after_step unset: nothing
+    assert trainer_for(tmp_path).hooks.__class__ is StepHooks  # no faults named: the trainer's no-op hooks
+    with pytest.raises(ValueError, match="unknown extra.kill_after_stp: the test faults are extra.nan_at_steps"):
+        trainer_for(tmp_path, "+extra.kill_after_stp=5")
 
 
 # --------------------------------------------------------------------------- 8. checkpoints verify
@@ -175,6 +197,7 @@ def test_truncated_student_export_is_one_line(tmp_path):
         load_student(tmp_path / "student", full)
 
 
+@pytest.mark.subprocess
 def test_cli_error_for_a_missing_model_folder(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "slimwise_train.prune", f"model.path={tmp_path / 'missing'}",
                            f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,

@@ -227,6 +227,7 @@ def _full_size(model_type):
 
 
 @pytest.mark.parametrize("model_type,name", EXPORT_CASES)
+@pytest.mark.subprocess
 def test_reloaded_checkpoint_equals_masked_model(exported, model_type, name):
     expected, reloaded, _ = exported
     key = (model_type, name)
@@ -234,6 +235,7 @@ def test_reloaded_checkpoint_equals_masked_model(exported, model_type, name):
 
 
 @families
+@pytest.mark.subprocess
 def test_exported_checkpoint_is_smaller_and_carries_the_keep_set(exported, model_type):
     _, _, dirs = exported
     path = Path(dirs[f"{model_type}-uniform"])
@@ -275,6 +277,7 @@ def test_pruned_model_on_full_prefix_cache_equals_masked_decode(model_type):
 
 
 @families
+@pytest.mark.subprocess
 def test_greedy_handoff_generation_matches_token_for_token(exported, model_type):
     _, _, dirs = exported
     model = tiny_model(model_type)

@@ -16,10 +16,8 @@ import pytest
 
 from slimwise_train.utils.help import KEY_COLUMN, field_comments, key_lines
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-REPO = Path(__file__).resolve().parents[1]
-APPS = {"prune": "slimwise_train.prune", "train": "slimwise_train", "eval": "slimwise_train.eval",
-        "plan": "slimwise_train.plan"}
+from helpers import APPS, REPO
+from helpers import CHILD_ENV as ENV
 
 
 def help_of(app: str, args: list[str], cwd: Path) -> str:
@@ -79,6 +77,7 @@ def key_entry(out: str, key: str) -> tuple[str, str]:
     ("plan", ["world_size=4", "--help"], ["model", "data", "prune", "distill", "engine"], ["logger"],
      {"world_size": "4", "gpu_memory_gib": None, "distill.recompute": None}),
 ])
+@pytest.mark.subprocess
 def test_help_of_every_app(tmp_path, app, args, groups, not_groups, keys):
     out = help_of(app, args, tmp_path)
     for group in groups:
@@ -98,6 +97,7 @@ def test_help_of_every_app(tmp_path, app, args, groups, not_groups, keys):
     assert not long, long
 
 
+@pytest.mark.subprocess
 def test_an_override_beside_help_changes_the_groups_default(tmp_path):
     out = help_of("eval", ["model=teacher", "logger=wandb", "--help"], tmp_path)
     assert group_line(out, "model").startswith("model=teacher ")
@@ -106,6 +106,7 @@ def test_an_override_beside_help_changes_the_groups_default(tmp_path):
     assert key_entry(out, "eval.modes")[1].startswith("full | conventional")
 
 
+@pytest.mark.subprocess
 def test_help_refuses_a_bad_override_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", APPS["eval"], "model=nosuchpreset", "--help"], cwd=tmp_path,
                           env={**ENV, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=300)

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from slimwise_train.config import CONF_DIR
 from slimwise_train.eval.app import run_eval
 from slimwise_train.eval.generation import build_problems, family_budgets, left_pad
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.handoff import continue_on_cache, prefill
 from slimwise_train.moe.keepset import KeepSet
+
+from helpers import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 TEACHER = REPO / "slimwise_train" / "assets" / "teacher"
@@ -97,10 +97,9 @@ def both_tools(assets):
     from slimwise_train.lm_eval import TASKS_DIR, evaluate
 
     out = assets["root"] / "eval_app"
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("eval", overrides=[
-            f"output_dir={out}", "progress=false", "model=teacher", f"eval.keep_sets=[{assets['keep']}]",
-            f"eval.student={assets['student']}", f"eval.num_per_family={PER_FAMILY}", f"eval.budget={CAP}"])
+    cfg = compose_config("eval", f"output_dir={out}", "progress=false", "model=teacher",
+                         f"eval.keep_sets=[{assets['keep']}]", f"eval.student={assets['student']}",
+                         f"eval.num_per_family={PER_FAMILY}", f"eval.budget={CAP}")
     app = run_eval(cfg)
     manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
     lm_runs = {}
@@ -377,6 +376,7 @@ def _cli(args, tmp_path, launcher=(sys.executable, "-m")):
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_cli_runs_offline_and_writes_lengths_beside_lm_evals_results(assets, tmp_path):
     out = tmp_path / "out"
     proc = _cli(["--model", "slimwise", "--model_args",
@@ -395,6 +395,7 @@ def test_cli_runs_offline_and_writes_lengths_beside_lm_evals_results(assets, tmp
     assert "| slimwise |" in (folder / "slimwise_report.md").read_text()
 
 
+@pytest.mark.subprocess
 def test_cli_bad_model_args_is_one_line_with_exit_code_2(tmp_path):
     proc = _cli(["--model", "slimwise", "--model_args", f"pretrained={TEACHER},mode=slimwise",
                  "--tasks", "slimwise_math", "--limit", "1"], tmp_path)
@@ -410,14 +411,14 @@ def test_hydra_configs_still_compose_after_lm_eval_is_installed_and_imported():
     import slimwise_train.lm_eval  # noqa: F401
 
     assert version("antlr4-python3-runtime").startswith("4.9."), version("antlr4-python3-runtime")
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        for name in ("train", "prune", "eval"):
-            cfg = compose(name, overrides=["output_dir=/tmp/x"] if name != "train" else [])
-            assert cfg.model.name
+    for name in ("train", "prune", "eval"):
+        cfg = compose_config(name, *(["output_dir=/tmp/x"] if name != "train" else []))
+        assert cfg.model.name
 
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_two_process_data_parallel_equals_one_process(assets, tmp_path):
     common = ["--model", "slimwise", "--model_args",
               f"pretrained={TEACHER},keep_set={assets['keep']},mode=slimwise,progress=false",
@@ -444,6 +445,7 @@ def test_two_process_data_parallel_equals_one_process(assets, tmp_path):
     assert sum1["tasks"] == sum2["tasks"]
 
 
+@pytest.mark.subprocess
 def test_lengths_go_to_a_wandb_run_in_lm_evals_project_and_group(tmp_path):
     from test_wandb_sweep import read_offline_run
 
@@ -479,6 +481,7 @@ def test_lm_evals_own_task_index_is_skipped_only_when_every_task_is_packaged():
 
 
 @pytest.mark.slow
+@pytest.mark.subprocess  # runs the lm_eval CLI (bench/lm_eval.py)
 def test_bench_lm_eval_compares_all_three_routes_cell_by_cell(assets, tmp_path, capsys):
     from slimwise_train.bench import main
 
@@ -498,6 +501,7 @@ def test_bench_lm_eval_says_how_to_get_its_inputs(tmp_path):
         main(["lm_eval", "--keep-set", str(tmp_path / "missing.json"), "--output-dir", str(tmp_path)])
 
 
+@pytest.mark.subprocess
 def test_the_stock_lm_eval_models_stay_available_beside_slimwise():
     """Issue 24 item 16: lm-eval 0.4.13 imports its own models only while its registry is empty, so registering
     `slimwise` first hid `hf` from `python -m slimwise_train.lm_eval --model hf` (the stock comparison)."""

@@ -65,6 +65,7 @@ def stale_lock(folder, **extra) -> dict:
     return content
 
 
+@pytest.mark.subprocess
 def test_concurrent_starters_never_both_hold_a_stale_lock(tmp_path):
     folder, work = tmp_path / "out", tmp_path / "work"
     folder.mkdir()
@@ -114,6 +115,7 @@ def test_a_lock_naming_no_job_is_taken_over_with_a_warning_at_once(tmp_path, cap
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.subprocess
 def test_a_stale_lock_is_taken_over_in_one_step_and_honours_the_umask(tmp_path, caplog):
     old = stale_lock(tmp_path)
     previous = os.umask(0o002)
@@ -137,6 +139,7 @@ def test_a_stale_lock_is_taken_over_in_one_step_and_honours_the_umask(tmp_path, 
     release_lock(lock)
 
 
+@pytest.mark.subprocess
 def test_a_live_holder_on_this_host_is_refused_with_its_pid(tmp_path):
     lock = tmp_path / LOCK_NAME
     lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "2026-12-01 10:00:00"}))
@@ -152,6 +155,7 @@ def test_a_live_holder_on_this_host_is_refused_with_its_pid(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_NAME]
 
 
+@pytest.mark.subprocess
 def test_another_hosts_lock_is_refused_and_left_alone(tmp_path):
     lock = tmp_path / LOCK_NAME
     lock.write_text(json.dumps({"host": "other-node-17", "pid": dead_pid()}))
@@ -169,6 +173,7 @@ def test_an_unreadable_lock_is_refused(tmp_path):
         acquire_lock(tmp_path)
 
 
+@pytest.mark.subprocess
 def test_the_guard_serialises_and_a_leftover_guard_does_not_block(tmp_path):
     guard = tmp_path / GUARD_NAME
     guard.touch()  # left by a starter killed while checking: no one holds its flock

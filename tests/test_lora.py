@@ -25,15 +25,16 @@ from slimwise_train.distill.lora import (
     expert_lora_slices,
     expert_wrappers,
     export_adapter,
-    load_colocated,
     lora_from_config,
 )
-from slimwise_train.distill.student import DistillModel, StudentSpec
+from slimwise_train.distill.student import DistillModel, StudentSpec, load_colocated
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.handoff import copy_cache, make_cache_autograd_safe, prefill
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.masking import PhaseMasking
 from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_VOCAB, tiny_model
+
+from helpers import FAST_LR, TINY_TRAIN, compose_config, train_steps
 
 REPO = Path(__file__).resolve().parents[1]
 MERGE_TOL = 1e-5
@@ -207,31 +208,25 @@ def test_a_tensor_that_is_not_fused_and_a_missing_projection_are_one_line_errors
 
 
 def test_presets_compose_and_bad_ones_fail(tmp_path):
-    from hydra import compose, initialize_config_dir
+    def cfg(*overrides):
+        return compose_config("train", f"output_dir={tmp_path}", *overrides)
 
-    from slimwise_train.config import CONF_DIR, register_configs
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        def cfg(*overrides):
-            return compose(config_name="train", overrides=[f"output_dir={tmp_path}", *overrides])
-
-        # default: the auto preset, resolved per family by DistillModel (tests/test_stock_export.py)
-        auto = {"kind": "auto", "rank": 8, "alpha": 16.0, "targets": ["gate_up_proj", "down_proj"]}
-        assert lora_from_config(cfg().distill.trainable) == auto == StudentSpec.from_config(cfg().distill).lora
-        assert lora_from_config(cfg("distill/trainable=always_on").distill.trainable) is None
-        experts = lora_from_config(cfg("distill/trainable=always_on+lora_experts").distill.trainable)
-        assert experts == {"kind": "experts", "rank": 8, "alpha": 16.0, "targets": ["gate_up_proj", "down_proj"]}
-        attention = cfg("distill/trainable=always_on+lora_attention", "distill.trainable.rank=4").distill.trainable
-        assert lora_from_config(attention)["rank"] == 4
-        with pytest.raises(ValueError, match="distill.trainable.name=always_on but distill.trainable.lora=experts"):
-            lora_from_config(cfg("distill/trainable=always_on", "distill.trainable.lora=experts").distill.trainable)
-        with pytest.raises(ValueError, match="distill.trainable.name=auto but distill.trainable.lora=attention"):
-            lora_from_config(cfg("distill.trainable.lora=attention").distill.trainable)
-        with pytest.raises(Exception, match="rnak"):
-            cfg("distill.trainable.rnak=4")
-        with pytest.raises(Exception, match="always_on\\+lora_mlp"):
-            cfg("distill/trainable=always_on+lora_mlp")
+    # default: the auto preset, resolved per family by DistillModel (tests/test_stock_export.py)
+    auto = {"kind": "auto", "rank": 8, "alpha": 16.0, "targets": ["gate_up_proj", "down_proj"]}
+    assert lora_from_config(cfg().distill.trainable) == auto == StudentSpec.from_config(cfg().distill).lora
+    assert lora_from_config(cfg("distill/trainable=always_on").distill.trainable) is None
+    experts = lora_from_config(cfg("distill/trainable=always_on+lora_experts").distill.trainable)
+    assert experts == {"kind": "experts", "rank": 8, "alpha": 16.0, "targets": ["gate_up_proj", "down_proj"]}
+    attention = cfg("distill/trainable=always_on+lora_attention", "distill.trainable.rank=4").distill.trainable
+    assert lora_from_config(attention)["rank"] == 4
+    with pytest.raises(ValueError, match="distill.trainable.name=always_on but distill.trainable.lora=experts"):
+        lora_from_config(cfg("distill/trainable=always_on", "distill.trainable.lora=experts").distill.trainable)
+    with pytest.raises(ValueError, match="distill.trainable.name=auto but distill.trainable.lora=attention"):
+        lora_from_config(cfg("distill.trainable.lora=attention").distill.trainable)
+    with pytest.raises(Exception, match="rnak"):
+        cfg("distill.trainable.rnak=4")
+    with pytest.raises(Exception, match="always_on\\+lora_mlp"):
+        cfg("distill/trainable=always_on+lora_mlp")
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -240,18 +235,12 @@ def test_presets_compose_and_bad_ones_fail(tmp_path):
 def test_trainer_lora_run_counts_exports_and_resumes_bitwise(tmp_path):
     """engine=torch, 4 steps with checkpoints at 2 and 4; the step-4 checkpoint deleted and the run resumed from
     step 2 reproduces the same adapters bit for bit. Both export forms are written."""
-    from hydra import compose, initialize_config_dir
-
-    from slimwise_train.config import CONF_DIR, register_configs
     from slimwise_train.distill.trainer import run_train
 
-    register_configs()
     out = tmp_path / "run"
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(config_name="train", overrides=[
-            "experiment=tiny_smoke", "logger=none", "distill.lr=2e-2", "distill.warmup_steps=2", "distill.max_steps=4",
-            "distill.save_every=2", "distill.eval_every=100", "distill/trainable=always_on+lora_experts",
-            "distill.trainable.rank=2", f"output_dir={out}", "progress=false", "resume=auto"])
+    cfg = compose_config("train", *TINY_TRAIN, *FAST_LR, *train_steps(4, save_every=2, eval_every=100, log_every=None),
+                         "distill/trainable=always_on+lora_experts", "distill.trainable.rank=2", f"output_dir={out}",
+                         "progress=false", "resume=auto")
     first = run_train(cfg)
     trained = load_file(str(out / "student_trainable.safetensors"))
     lora = {k: v for k, v in trained.items() if "lora_" in k}
@@ -271,14 +260,14 @@ def test_trainer_lora_run_counts_exports_and_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess
 def test_zero3_on_two_ranks_trains_lora_like_ddp(tmp_path):
     """torchrun, 2 gloo ranks: engine=zero3 (partitioned loading, each expert wrapper a ZeRO-3 leaf) against DDP
     (engine=torch) on the same micro-batches: the same trained tensors (1e-4, as tests/test_train_dist.py;
     measured 4.8e-6), every rank's copy identical, removed experts' pairs still zero. (Against one process
     with 2 accumulation micro-batches the losses agree to 1e-5 but the tensors only to 2e-3: other padding, and
     Adam's first steps on gradients that are exactly zero at step 1, B = 0, magnify the rounding.)"""
-    common = ["experiment=tiny_smoke", "logger=none", "distill.lr=2e-2", "distill.warmup_steps=2",
-              "distill.max_steps=4", "distill.eval_every=4", "distill.save_every=4", "progress=false",
+    common = [*TINY_TRAIN, *FAST_LR, *train_steps(4, log_every=None), "progress=false",
               "distill/trainable=always_on+lora_experts", "distill.trainable.rank=2", "data.batch_size=2",
               "prune.ratio=0.5"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1"}

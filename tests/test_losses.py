@@ -1,4 +1,5 @@
-"""Tests for slimwise_train.distill.losses against an independent float64 dense reference.
+"""Tests for slimwise_train.distill.losses (and the objective over its terms) against an independent float64 dense
+reference.
 
 Tolerance: loss values must match the reference within rtol = atol = 1e-5 (the issue's
 1e-5); gradients within atol = 1e-6, rtol = 1e-4 (entries are O(1/V), computed in fp32).
@@ -13,16 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from slimwise_train.distill import losses
 from slimwise_train.distill.losses import (
-    KL_LOSSES,
-    LOSSES,
+    TERMS,
     LossSums,
+    compute_terms,
     cross_entropy,
-    distill_loss,
     full_kl,
-    get_loss,
+    get_term,
+    prepare_inputs,
+    register_term,
     topk_residual_kl,
 )
+from slimwise_train.distill.objective import Objective, check_loss_config, distill_loss
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
@@ -212,16 +216,16 @@ def test_topk_residual_is_lower_bound_of_full_kl():
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kl_loss,k", [("topk_residual_kl", 7), ("topk_residual_kl", 500), ("full_kl", 7)])
-def test_gradients_match_reference(kl_loss, k):
+@pytest.mark.parametrize("kl_term,k", [("kl", 7), ("kl", 500), ("full_kl", 7)])
+def test_gradients_match_reference(kl_term, k):
     student, teacher, labels = make_inputs(14, 97, seed=19)
     s = student.clone().requires_grad_(True)
     t = teacher.clone().requires_grad_(True)
-    out = distill_loss(s, t, labels, top_k=k, chunk_size=4, kl_loss=kl_loss)
+    out = distill_loss(s, t, labels, terms={"ce": 0.1, kl_term: 0.9}, top_k=k, chunk_size=4)
     out["loss"].backward()
 
     s_ref = student.double().clone().requires_grad_(True)
-    kl_ref, ce_ref, count = ref_sums(s_ref, teacher, labels, None if kl_loss == "full_kl" else k)
+    kl_ref, ce_ref, count = ref_sums(s_ref, teacher, labels, None if kl_term == "full_kl" else k)
     loss_ref = (0.1 * ce_ref + 0.9 * kl_ref) / count
     loss_ref.backward()
 
@@ -272,7 +276,7 @@ def test_weighting_and_global_normalisation():
 
     for glob in (100, torch.tensor(100)):
         out = distill_loss(
-            student, teacher, labels, top_k=9, ce_weight=0.3, kl_weight=0.7, num_tokens_global=glob
+            student, teacher, labels, top_k=9, terms={"ce": 0.3, "kl": 0.7}, num_tokens_global=glob
         )
         torch.testing.assert_close(out["loss"], (0.3 * ce + 0.7 * kl) / 100, **TOL)
         torch.testing.assert_close(out["ce"], ce / 100, **TOL)
@@ -389,15 +393,82 @@ def test_forward_saves_no_vocab_sized_intermediates():
 # --------------------------------------------------------------------------------------
 
 
-def test_registry_common_signature():
-    assert set(LOSSES) == {"topk_residual_kl", "full_kl", "ce"}
-    assert set(KL_LOSSES) <= set(LOSSES)
+def test_registry_names_the_fused_terms_and_refuses_unknown_ones():
+    assert {"ce", "kl", "full_kl"} <= set(TERMS)
+    assert get_term("ce") is get_term("kl") is get_term("full_kl")  # one group: one fused pass
     student, teacher, labels = make_inputs(8, 40, seed=61)
-    for name in LOSSES:
-        out = get_loss(name)(student, teacher, labels, mask=None, top_k=5, chunk_size=3)
-        assert isinstance(out, LossSums) and torch.isfinite(out.sum)
-    with pytest.raises(ValueError, match="known losses: ce, full_kl, topk_residual_kl"):
-        get_loss("kl")
+    inputs = prepare_inputs(student, teacher, labels, top_k=5, chunk_size=3)
+    out = compute_terms(inputs, ["ce", "kl", "full_kl"])
+    assert set(out) == {"ce", "kl", "full_kl", "residual_mass_teacher", "residual_mass_student"}
+    # The same sums as the standalone functions (bitwise: the same kernel on the same rows).
+    assert torch.equal(out["ce"], cross_entropy(student, teacher, labels, chunk_size=3).sum)
+    assert torch.equal(out["kl"], topk_residual_kl(student, teacher, labels, top_k=5, chunk_size=3).sum)
+    assert torch.equal(out["full_kl"], full_kl(student, teacher, labels, chunk_size=3).sum)
+    with pytest.raises(ValueError, match="unknown loss term 'nope'; known terms: ce, full_kl, kl"):
+        get_term("nope")
+    with pytest.raises(ValueError, match="'kl' is taken"):
+        register_term("kl")(lambda x: x.student.sum())
+
+
+def test_ce_and_kl_are_one_pass_of_the_fused_kernel(monkeypatch):
+    """The group keeps the fused kernel's speed and memory: asked together, CE and the top-k KL are ONE kernel call
+    (one walk over the logits, one set of saved per-row statistics), not one per term."""
+    calls = []
+    real = losses._fused_sums
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["kl_mode"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(losses, "_fused_sums", counting)
+    student, teacher, labels = make_inputs(10, 60, seed=62)
+    distill_loss(student.requires_grad_(True), teacher, labels, top_k=5, chunk_size=4)["loss"].backward()
+    assert calls == ["topk"]
+    calls.clear()
+    distill_loss(student, teacher, labels, terms={"ce": 1.0}, chunk_size=4)
+    assert calls == ["none"]
+
+
+def test_a_registered_term_joins_the_weighted_sum_and_weight_zero_is_off():
+    """The walk-through at the function level: one registered function, one entry in the terms."""
+    @register_term("toy_l2")
+    def toy_l2(x):
+        # sum over the valid rows of the mean squared logit difference: x.student, x.teacher [N, V] -> []
+        d = (x.student.float() - x.teacher.float()).pow(2).mean(-1)
+        return torch.where(x.valid, d, torch.zeros_like(d)).sum()
+
+    try:
+        student, teacher, labels = make_inputs(12, 30, seed=63)
+        s = student.clone().requires_grad_(True)
+        out = distill_loss(s, teacher, labels, terms={"ce": 0.1, "kl": 0.9, "toy_l2": 0.5}, top_k=4, chunk_size=4)
+        base = distill_loss(student, teacher, labels, top_k=4, chunk_size=4)
+        valid = labels != -100
+        l2 = (student - teacher).pow(2).mean(-1)[valid].sum()
+        count = int(valid.sum())
+        torch.testing.assert_close(out["toy_l2"], l2 / count, **TOL)
+        torch.testing.assert_close(out["loss"], base["loss"] + 0.5 * l2 / count, **TOL)
+        out["loss"].backward()
+        assert torch.isfinite(s.grad).all()
+        off = Objective({"ce": 0.1, "kl": 0.9, "toy_l2": 0.0})
+        assert off.terms == ["ce", "kl"]  # weight 0: not computed, not logged
+        assert "toy_l2" not in off(student, teacher, labels).sums
+    finally:
+        TERMS.pop("toy_l2")
+
+
+@pytest.mark.parametrize("loss, match", [
+    (dict(terms={"nope": 1.0}), r"unknown distill.loss.terms key 'nope'; known terms: ce, full_kl, kl"),
+    (dict(terms={"kl": -0.5}), r"distill.loss.terms.kl=-0.5 is invalid: it must be a finite number >= 0"),
+    (dict(terms={"kl": float("nan")}), r"distill.loss.terms.kl=nan is invalid"),
+    (dict(terms={"ce": 0.0, "kl": 0.0}), r"every distill.loss.terms weight is 0"),
+    (dict(terms={}), r"distill.loss.terms is empty"),
+    (dict(top_k=0), r"distill.loss.top_k=0 is invalid: it must be an integer >= 1"),
+    (dict(chunk_size=True), r"distill.loss.chunk_size=True is invalid"),
+])
+def test_a_bad_loss_config_is_one_line_naming_the_key(loss, match):
+    cfg = {"terms": {"ce": 0.1, "kl": 0.9}, "top_k": 64, "chunk_size": 1024, **loss}
+    with pytest.raises(ValueError, match=match):
+        check_loss_config(cfg)
 
 
 @pytest.mark.parametrize(
@@ -410,8 +481,8 @@ def test_registry_common_signature():
         (dict(chunk_size=0), "chunk_size must be an int >= 1"),
         (dict(mask=torch.ones(4)), "mask must be a bool"),
         (dict(mask=torch.ones(3, dtype=torch.bool)), "mask shape"),
-        (dict(kl_loss="ce"), "kl_loss must be one of"),
-        (dict(ce_weight=-0.1), "ce_weight must be a non-negative"),
+        (dict(terms={"nope": 1.0}), "unknown terms key 'nope'"),
+        (dict(terms={"ce": -0.1}), r"terms.ce=-0.1 is invalid"),
         (dict(num_tokens_global=torch.ones(2)), "num_tokens_global must be a scalar"),
         (dict(student=torch.zeros(10)), r"student_logits must be a tensor of shape \[N, V\]"),
     ],
@@ -443,11 +514,11 @@ def test_standalone_losses_validate_too():
 # --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,k", [("topk_residual_kl", 6), ("topk_residual_kl", 200), ("full_kl", 6), ("ce", 6)])
+@pytest.mark.parametrize("name,k", [("kl", 6), ("kl", 200), ("full_kl", 6), ("ce", 6)])
 def test_each_registry_sum_backpropagates_its_own_gradient(name, k):
     student, teacher, labels = make_inputs(13, 83, seed=101)
     s = student.clone().requires_grad_(True)
-    get_loss(name)(s, teacher, labels, top_k=k, chunk_size=4).sum.backward()
+    compute_terms(prepare_inputs(s, teacher, labels, top_k=k, chunk_size=4), [name])[name].backward()
     s_ref = student.double().clone().requires_grad_(True)
     kl_ref, ce_ref, _ = ref_sums(s_ref, teacher, labels, None if name == "full_kl" else k)
     (ce_ref if name == "ce" else kl_ref).backward()

@@ -33,6 +33,8 @@ from slimwise_train.moe.masking import PhaseMasking
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_config, tiny_model
 from test_student import FOLD_TOL, _ids, _keep, _perturb
 
+from helpers import train_cfg
+
 EXPORT_TOL = 1e-5
 SPLIT = 7  # the teacher prefills ids[:, :SPLIT]; the student / export decode the rest on its cache
 SLOT_FAMILIES = tuple(t for t in SUPPORTED_TINY if get_adapter(tiny_config(t)).has_native_slot)
@@ -163,6 +165,7 @@ TRAINED = {"slot+routers": (StudentSpec(shared_expert_mode="native", train_norms
            "everything": (NATIVE, FOLD_TOL)}
 
 
+@pytest.mark.subprocess
 def test_native_export_is_the_stock_class_and_decodes_on_the_teachers_cache_in_a_fresh_process(tmp_path):
     """Every slot family: trained (perturbed) tensors, export, then a process that never imports slimwise_train
     loads the teacher and the export with plain from_pretrained (no trust_remote_code) and decodes the continuation
@@ -254,9 +257,8 @@ def test_trainer_runs_native_mode_end_to_end(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from slimwise_train.distill.trainer import Trainer
-    from test_trainer import make_cfg
 
-    cfg = make_cfg(tmp_path, "model=tiny_qwen2_moe", "distill.max_steps=3", "distill.eval_every=3",
+    cfg = train_cfg(tmp_path, "model=tiny_qwen2_moe", "distill.max_steps=3", "distill.eval_every=3",
                    "distill.save_every=3")
     trainer = Trainer(cfg).setup()
     try:

@@ -12,15 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from slimwise_train.config import (
-    CONF_DIR,
     DistillConfig,
     ModelConfig,
     PruneConfig,
-    register_configs,
 )
 from slimwise_train.plan.app import run_plan
 from slimwise_train.plan.architecture import describe
@@ -33,6 +30,8 @@ from slimwise_train.plan.memory import (
 )
 from slimwise_train.testing.tiny import SUPPORTED_TINY, TINY_CONFIGS
 
+from helpers import compose_config
+
 REPO = Path(__file__).resolve().parents[1]
 REAL_PRESETS = {  # preset -> parameters the stock class builds (published sizes; Gemma 4 with its vision tower)
     "qwen3_moe_30b_a3b": 30.5e9, "qwen3_5_moe_35b_a3b": 34.7e9, "gemma4_26b_a4b": 25.8e9, "gpt_oss_20b": 20.9e9,
@@ -43,9 +42,7 @@ GPU_ZERO3_COMPONENTS = ("frozen_weights", "trainable_and_optimizer", "deepspeed_
 
 
 def _cfg(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("plan", overrides=list(overrides))
+    return compose_config("plan", *overrides)
 
 
 @pytest.mark.parametrize("preset", sorted(REAL_PRESETS))
@@ -153,6 +150,7 @@ def test_activation_and_cache_formulas_match_the_saved_tensors(family, recompute
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess
 def test_cli_prints_a_table_and_one_json_line(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-m", "slimwise_train.plan", "model=qwen3_moe_30b_a3b", "engine=zero3",
@@ -176,10 +174,11 @@ def test_cli_prints_a_table_and_one_json_line(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "slimwise_train.plan", "model=qwen3_moe_30b_a3b", "device=tpu",
                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120, check=False)
-    assert bad.returncode == 2 and "slimwise_train.plan: error: device=tpu" in bad.stderr
+    assert bad.returncode == 2 and "slimwise_train.plan: error: device='tpu' is not one of: cuda, cpu" in bad.stderr
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess  # bench_compare launches the bench's memory child under torchrun
 def test_plan_matches_the_bench_memory_step_peaks():
     """The bench's memory child (2 gloo ranks, fp32) on a small Qwen3-MoE whose logits dominate, every micro-batch at
     the planner's worst case (1-token prefix, seq_len - 1 continuation), against the planner's CPU plan of the same

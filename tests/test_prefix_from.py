@@ -41,7 +41,7 @@ from slimwise_train.moe.handoff import make_cache_autograd_safe
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_model
 from test_losses import ref_sums
-from test_trainer import make_cfg
+from helpers import FAST_LR, TINY_TRAIN, train_cfg, train_steps
 
 REPO = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
@@ -49,7 +49,7 @@ GRAD_RTOL = 1e-4
 
 
 def _trainer(out, *overrides) -> Trainer:
-    return Trainer(make_cfg(out, "distill.export=false", "progress=false", *overrides)).setup()
+    return Trainer(train_cfg(out, "distill.export=false", "progress=false", *overrides)).setup()
 
 
 def _family_trainer(tmp_path, family, *overrides) -> Trainer:
@@ -105,8 +105,8 @@ def _reference(trainer, prefix_from: str, prefix_grad: bool = True):
         rows_s.append(cont[:-1])
         rows_t.append(teacher[s : n - 1])
         labels.append(ids[0, s + 1 :])
-    kl, ce, count = ref_sums(torch.cat(rows_s), torch.cat(rows_t), torch.cat(labels), int(d.top_k))
-    loss = (float(d.ce_weight) * ce + float(d.kl_weight) * kl) / count
+    kl, ce, count = ref_sums(torch.cat(rows_s), torch.cat(rows_t), torch.cat(labels), int(d.loss.top_k))
+    loss = (float(d.loss.terms.ce) * ce + float(d.loss.terms.kl) * kl) / count
     return loss, (one_pass if prefix_from == "student" else None)
 
 
@@ -217,11 +217,11 @@ def test_teacher_prefix_step_equals_its_reference_and_the_student_prefix_differs
 
 def test_the_key_is_typed_defaults_to_teacher_and_refuses_other_values(tmp_path):
     assert DistillConfig.prefix_from == "teacher"
-    cfg = make_cfg(tmp_path)
+    cfg = train_cfg(tmp_path)
     assert cfg.distill.prefix_from == "teacher"
-    validate_train_config(make_cfg(tmp_path, "distill.prefix_from=student"))
+    validate_train_config(train_cfg(tmp_path, "distill.prefix_from=student"))
     with pytest.raises(ValueError, match=r"^distill.prefix_from='prefill' is not one of: teacher, student$"):
-        validate_train_config(make_cfg(tmp_path, "distill.prefix_from=prefill"))
+        validate_train_config(train_cfg(tmp_path, "distill.prefix_from=prefill"))
     d = OmegaConf.structured(DistillConfig())
     d.prefix_from = "both"
     with pytest.raises(ValueError, match=r"^distill.prefix_from='both' is invalid: it must be one of teacher, "
@@ -231,7 +231,7 @@ def test_the_key_is_typed_defaults_to_teacher_and_refuses_other_values(tmp_path)
 
 def test_run_records_it_and_resume_with_the_other_value_is_refused(tmp_path):
     out = tmp_path / "run"
-    first = run_train(make_cfg(out, "distill.prefix_from=student", "distill.max_steps=1", "distill.save_every=1",
+    first = run_train(train_cfg(out, "distill.prefix_from=student", "distill.max_steps=1", "distill.save_every=1",
                                "distill.eval_every=1", "progress=false"))
     assert first["prefix_from"] == "student"
     assert json.loads((out / "summary.json").read_text())["prefix_from"] == "student"
@@ -246,11 +246,12 @@ def test_run_records_it_and_resume_with_the_other_value_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"cannot resume from .*step_000001: it was written with "
                                          r"prefix_from=student \(now teacher\)"):
         _trainer(out, "resume=auto", "distill.max_steps=2")
-    resumed = run_train(make_cfg(out, "resume=auto", "distill.prefix_from=student", "distill.max_steps=2",
+    resumed = run_train(train_cfg(out, "resume=auto", "distill.prefix_from=student", "distill.max_steps=2",
                                  "distill.export=false", "progress=false"))
     assert resumed["steps"] == 2 and resumed["steps_this_run"] == 1 and resumed["prefix_from"] == "student"
 
 
+@pytest.mark.subprocess
 def test_cli_run_with_the_student_prefix_completes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -271,6 +272,7 @@ def test_cli_run_with_the_student_prefix_completes(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.slow
+@pytest.mark.subprocess
 def test_student_prefix_under_ddp_and_zero3_matches_one_process(tmp_path):
     """Two gloo ranks (DDP; ZeRO-3 with the default expert LoRA, i.e. z3 leaf modules, and MoE recompute) against one
     process with 2 accumulation micro-batches: the same 8 sequences per step. ZeRO-3 reduces a leaf module's
@@ -280,9 +282,8 @@ def test_student_prefix_under_ddp_and_zero3_matches_one_process(tmp_path):
     from safetensors.torch import load_file
     from test_train_dist import launch, summary
 
-    common = ["experiment=tiny_smoke", "logger=none", "progress=false", "distill.lr=2e-2", "distill.warmup_steps=2",
-              "distill.max_steps=4", "distill.eval_every=4", "distill.save_every=4", "distill.log_every=1",
-              "distill.grad_clip=0.05", "distill.export=false", "distill.prefix_from=student", "resume=never"]
+    common = [*TINY_TRAIN, "progress=false", *FAST_LR, *train_steps(4), "distill.grad_clip=0.05", "distill.export=false",
+              "distill.prefix_from=student", "resume=never"]
     runs = {"ddp": ([], 2), "zero3": (["engine=zero3", "distill.recompute=moe"], 2), "one": (["distill.grad_accum=2"], 1)}
     for name, (extra, nproc) in runs.items():
         launch([*common, *extra, f"hydra.run.dir={tmp_path / name}"], nproc=nproc)

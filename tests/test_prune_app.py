@@ -10,23 +10,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from slimwise_train.moe.keepset import KeepSet
-from slimwise_train.config import CONF_DIR
 from slimwise_train.prune.app import run_prune
 from slimwise_train.prune.statistics import load_scores
+
+from helpers import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _cfg(tmp_path, *overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("prune", overrides=[f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'cache'}",
-                                           "progress=false", "data.num_samples=24", "data.batch_size=8", *overrides])
+    return compose_config("prune", f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'cache'}",
+                          "progress=false", "data.num_samples=24", "data.batch_size=8", *overrides)
 
 
 def test_prune_writes_scores_keep_set_mask_and_checkpoint(tmp_path):
@@ -55,7 +54,7 @@ def test_prune_writes_scores_keep_set_mask_and_checkpoint(tmp_path):
         (["prune.ratio=1.0"], r"prune.ratio must be in \(0, 1\)"),
         (["prune.ratio=0"], r"prune.ratio must be in \(0, 1\)"),
         (["prune.ratio=0.9"], "fewer than the router's top-2"),
-        (["prune.criterion=magic"], "unknown criterion 'magic'"),
+        (["prune.criterion=magic"], "^prune.criterion='magic' is not one of: frequency, mass, mass_routed, ean, reap$"),
         (["data.source=/nonexistent/calib.jsonl"], "neither a recipe"),
     ],
 )
@@ -90,10 +89,9 @@ def test_statistics_cache_is_invalidated_when_the_calibration_file_changes(tmp_p
                                   for i in range(30)) + "\n")
 
     def prune(run):  # 24 short rows: a floor of 256 tokens keeps the test about the cache, not the minimum
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose("prune", overrides=[f"output_dir={tmp_path / run}", f"prune.cache_dir={tmp_path / 'cache'}",
-                                              "progress=false", "data.num_samples=24", "data.batch_size=8",
-                                              f"data.source={rows}", "prune.min_calibration_tokens=256"])
+        cfg = compose_config("prune", f"output_dir={tmp_path / run}", f"prune.cache_dir={tmp_path / 'cache'}",
+                             "progress=false", "data.num_samples=24", "data.batch_size=8", f"data.source={rows}",
+                             "prune.min_calibration_tokens=256")
         return run_prune(cfg)["statistics"]
 
     write(1)
@@ -124,6 +122,7 @@ def test_dense_model_is_rejected(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.subprocess
 def test_cli_error_is_one_line_and_exit_code_2(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "slimwise_train.prune", "prune.ratio=1.5", f"hydra.run.dir={tmp_path / 'run'}",
@@ -137,6 +136,7 @@ def test_cli_error_is_one_line_and_exit_code_2(tmp_path):
     assert not any((tmp_path / "run").glob("*.safetensors"))
 
 
+@pytest.mark.subprocess
 def test_unknown_config_key_is_rejected(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "slimwise_train.prune", "prune.raito=0.5", f"hydra.run.dir={tmp_path / 'run'}"],
@@ -146,6 +146,7 @@ def test_unknown_config_key_is_rejected(tmp_path):
     assert "raito" in proc.stderr
 
 
+@pytest.mark.subprocess
 def test_sweep_over_ratios_and_criteria_calibrates_once(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "slimwise_train.prune", "--multirun", "prune.ratio=0.25,0.5,0.75",
@@ -161,6 +162,7 @@ def test_sweep_over_ratios_and_criteria_calibrates_once(tmp_path):
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess
 def test_two_process_statistics_equal_single_process(tmp_path):
     common = ["prune.use_cache=false", "data.num_samples=24", "data.batch_size=4", "progress=false"]
     single = subprocess.run([sys.executable, "-m", "slimwise_train.prune", f"hydra.run.dir={tmp_path / 'one'}", *common],

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.subprocess  # every block runs as a user pastes it: in a process of its own
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -11,17 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
-from slimwise_train.config import CONF_DIR, register_configs
 from slimwise_train.distill.student import DistillModel
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.handoff import prefill
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_model
 
+from helpers import TINY_TRAIN, compose_config
+
 REPO = Path(__file__).resolve().parents[1]
-register_configs()
 
 
 def _student(family: str, recompute: str) -> DistillModel:
@@ -86,9 +85,7 @@ def test_unknown_recompute_mode_is_an_error():
 def _trainer(tmp_path, *overrides):
     from slimwise_train.distill.trainer import Trainer
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("train", overrides=["experiment=tiny_smoke", "logger=none", "resume=never", "progress=false",
-                                          f"output_dir={tmp_path}", *overrides])
+    cfg = compose_config("train", *TINY_TRAIN, "resume=never", "progress=false", f"output_dir={tmp_path}", *overrides)
     return Trainer(cfg).setup()
 
 
@@ -136,7 +133,7 @@ from slimwise_train.testing.tiny import tiny_model
 from slimwise_train.utils import distributed as du
 
 du.init_if_launched("gloo")
-engine_cfg = OmegaConf.structured(EngineConfig(name="zero3", zero_stage=3))
+engine_cfg = OmegaConf.structured(EngineConfig(name="zero3"))
 distill_cfg = OmegaConf.structured(DistillConfig())
 out = {}
 for family in sys.argv[2:]:
@@ -165,6 +162,7 @@ du.shutdown()
 
 
 @pytest.mark.dist
+@pytest.mark.subprocess
 def test_every_family_loads_partitioned_and_its_step0_student_equals_the_replicated_one(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))}

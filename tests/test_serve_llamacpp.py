@@ -36,7 +36,8 @@ from slimwise_train.serve.handoff import CacheMismatch, EngineHandoff, Request, 
 from slimwise_train.serve.llamacpp import GGUFModel
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_model
 
-pytestmark = pytest.mark.engine
+# llama-server and llama.cpp's converter run as child processes (serve/server.py, serve/gguf.py)
+pytestmark = [pytest.mark.engine, pytest.mark.subprocess]
 
 TEACHER = Path(synthetic.__file__).resolve().parents[2] / "assets" / "teacher"
 TIE_GAP = {"f32": 0.3, "f16": 0.3}  # top-2 logit gap below which a flipped argmax is a tie, not a bug

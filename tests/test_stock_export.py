@@ -28,6 +28,8 @@ from slimwise_train.distill.student import SHARED_EXPERT, SLOT_COLUMNS, DistillM
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_model
 from test_lora import ATTENTION
 from test_native_slot import EXPORT_TOL, NO_SLOT_FAMILIES, SLOT_FAMILIES, export_perturbed_stock, run_fresh
+
+from helpers import compose_config, train_cfg
 from test_student import _ids, _keep, _perturb
 
 # What the no-module student trains in each exported variant: the default, and the other LoRA kind.
@@ -67,6 +69,7 @@ def test_no_module_student_adds_no_module_and_starts_as_the_masked_model(model_t
     assert counts["shared_expert"] == 0 and counts["lora"] > 0 and counts["router"] > 0 and counts["norm"] > 0
 
 
+@pytest.mark.subprocess
 def test_no_module_export_is_the_stock_class_and_decodes_on_the_teachers_cache_in_a_fresh_process(tmp_path):
     """Every family without a slot, every trainable tensor perturbed: the export has no auto_map, no modeling file
     and a stock architecture; a process that never imports slimwise_train loads the teacher and the export with
@@ -133,29 +136,25 @@ def test_student_file_records_the_resolved_preset_and_old_files_keep_theirs(tmp_
 
 
 def test_choices_come_from_the_schema_and_bad_values_are_one_line_errors(tmp_path):
-    from hydra import compose, initialize_config_dir
-
-    from slimwise_train.config import CONF_DIR, register_configs
     from slimwise_train.distill.student import SHARED_EXPERT_MODES
     from slimwise_train.distill.trainer import validate_train_config
 
     assert SHARED_EXPERT_MODES == get_args(SharedExpertMode) == ("auto", "native", "new", "none")
     assert tuple(TRAINABLE_PRESETS) == get_args(TrainablePreset)
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        def cfg(*overrides):
-            return compose(config_name="train", overrides=[f"output_dir={tmp_path}", *overrides])
 
-        default = cfg()
-        assert default.distill.trainable.name == "auto" and default.distill.shared_expert_mode == "auto"
-        assert StudentSpec.from_config(default.distill) == StudentSpec()  # one set of defaults
-        for override, message in (("distill.shared_expert_mode=shared", "distill.shared_expert_mode='shared' is not "
-                                   "one of: auto, native, new, none"),
-                                  ("distill.trainable.name=lora", "distill.trainable.name='lora' is not one of"),
-                                  ("distill.norm_scope=some", "distill.norm_scope='some' is not one of: all, layer")):
-            with pytest.raises(ValueError, match=message) as error:
-                validate_train_config(cfg(override))
-            assert "\n" not in str(error.value)
+    def cfg(*overrides):
+        return compose_config("train", f"output_dir={tmp_path}", *overrides)
+
+    default = cfg()
+    assert default.distill.trainable.name == "auto" and default.distill.shared_expert_mode == "auto"
+    assert StudentSpec.from_config(default.distill) == StudentSpec()  # one set of defaults
+    for override, message in (("distill.shared_expert_mode=shared", "distill.shared_expert_mode='shared' is not "
+                               "one of: auto, native, new, none"),
+                              ("distill.trainable.name=lora", "distill.trainable.name='lora' is not one of"),
+                              ("distill.norm_scope=some", "distill.norm_scope='some' is not one of: all, layer")):
+        with pytest.raises(ValueError, match=message) as error:
+            validate_train_config(cfg(override))
+        assert "\n" not in str(error.value)
     model = tiny_model("mixtral")
     with pytest.raises(ValueError, match="nothing to train") as error:
         DistillModel(model, _keep(model), StudentSpec(train_routers=False, train_norms=False,
@@ -169,9 +168,8 @@ def test_trainer_default_on_a_family_without_a_slot_exports_the_stock_class(tmp_
     from transformers import AutoModelForCausalLM
 
     from slimwise_train.distill.trainer import Trainer
-    from test_trainer import make_cfg
 
-    cfg = make_cfg(tmp_path, "model=tiny_qwen3_moe", "distill.max_steps=3", "distill.eval_every=3",
+    cfg = train_cfg(tmp_path, "model=tiny_qwen3_moe", "distill.max_steps=3", "distill.eval_every=3",
                    "distill.save_every=3")
     trainer = Trainer(cfg).setup()
     try:
@@ -198,14 +196,13 @@ def test_resuming_a_run_of_another_student_is_a_one_line_error(tmp_path):
     """A run from before this default (a new shared expert on Qwen3-MoE) resumed under the default config would
     otherwise fail with a KeyError (engine=torch) or load partly (DeepSpeed); with its student named it resumes."""
     from slimwise_train.distill.trainer import run_train
-    from test_trainer import make_cfg
 
     old = ["distill.shared_expert_mode=new", "distill/trainable=always_on"]
     common = ["model=tiny_qwen3_moe", "distill.save_every=2", "distill.eval_every=100", "distill.export=false",
               "resume=auto"]
-    run_train(make_cfg(tmp_path, *common, *old, "distill.max_steps=2"))
+    run_train(train_cfg(tmp_path, *common, *old, "distill.max_steps=2"))
     with pytest.raises(ValueError, match="it trained another student.*distill.shared_expert_mode=new with "
                                          "distill/trainable=always_on") as error:
-        run_train(make_cfg(tmp_path, *common, "distill.max_steps=4"))
+        run_train(train_cfg(tmp_path, *common, "distill.max_steps=4"))
     assert "\n" not in str(error.value)
-    assert run_train(make_cfg(tmp_path, *common, *old, "distill.max_steps=4"))["steps_this_run"] == 2
+    assert run_train(train_cfg(tmp_path, *common, *old, "distill.max_steps=4"))["steps_this_run"] == 2

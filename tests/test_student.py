@@ -188,6 +188,7 @@ for name in sys.argv[2:]:
 """
 
 
+@pytest.mark.subprocess
 def test_exported_decoder_reloads_in_a_fresh_process(tmp_path):
     """Export (folded routers/norms, pruned experts, a new shared expert), reload with no state from this process,
     and reproduce the student's continuation on the teacher's cache. Three families cover the layouts: plain
@@ -276,6 +277,7 @@ assert not any(m.startswith("slimwise_train") for m in sys.modules), "the export
 REMOTE_CODE_TOL = 1e-5
 
 
+@pytest.mark.subprocess
 def test_every_family_export_loads_with_trust_remote_code_and_no_project_import(tmp_path):
     """The export with a new shared expert carries its own modeling file and auto_map: a process that never
     imports slimwise_train loads it with `trust_remote_code=True` and reproduces the registered class's logits;

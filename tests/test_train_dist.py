@@ -27,13 +27,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-pytestmark = pytest.mark.dist
-REPO = Path(__file__).resolve().parents[1]
-COMMON = [
-    "experiment=tiny_smoke", "logger=none", "distill.lr=2e-2", "distill.warmup_steps=2", "distill.max_steps=12",
-    "distill.eval_every=12", "distill.save_every=12", "distill.log_every=1", "distill.grad_clip=0.05",
-    "distill.shared_expert_mode=new", "distill/trainable=always_on",
-]
+from helpers import FAST_LR, REPO, TINY_TRAIN, compose_config, train_steps
+
+pytestmark = [pytest.mark.dist, pytest.mark.subprocess]
+COMMON = [*TINY_TRAIN, *FAST_LR, *train_steps(12), "distill.grad_clip=0.05", "distill.shared_expert_mode=new",
+          "distill/trainable=always_on"]
 
 
 def _env():
@@ -102,17 +100,11 @@ def test_two_ranks_loss_falls_ranks_agree_frozen_unchanged(runs, engine):
 
 
 def test_engines_agree_with_each_other_and_with_one_process(runs, tmp_path):
-    from hydra import compose, initialize_config_dir
-
-    from slimwise_train.config import register_configs
     from slimwise_train.distill.trainer import run_train
-    from slimwise_train.config import CONF_DIR
 
     # One process, two accumulation micro-batches of 4: the same global batch of 8 as 2 ranks x 1 x 4.
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(config_name="train", overrides=[*COMMON, "prune.ratio=0.5", "distill.grad_accum=2",
-                                                      f"output_dir={tmp_path}", "resume=never"])
+    cfg = compose_config("train", *COMMON, "prune.ratio=0.5", "distill.grad_accum=2", f"output_dir={tmp_path}",
+                         "resume=never")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -232,13 +224,13 @@ def test_killing_the_torchrun_parent_leaves_no_rank_alive(tmp_path):
 
 
 def test_a_bad_input_under_torchrun_ends_with_one_clear_line(tmp_path):
-    proc = launch([*COMMON, "distill.kl_loss=nope", f"hydra.run.dir={tmp_path / 'run'}"], expect=None)
+    proc = launch([*COMMON, "+distill.loss.terms.nope=1", f"hydra.run.dir={tmp_path / 'run'}"], expect=None)
     assert proc.returncode != 0
     ours = [line for line in proc.stderr.splitlines() if line.startswith("slimwise_train: error:")]
-    assert len(ours) == 1 and "unknown distill.kl_loss 'nope'" in ours[0]
+    assert len(ours) == 1 and "unknown distill.loss.terms key 'nope'" in ours[0]
     # torchrun's closing "Root Cause" block carries the same line instead of a pointer to its docs.
     tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
-    assert "unknown distill.kl_loss 'nope'" in tail
+    assert "unknown distill.loss.terms key 'nope'" in tail
 
 
 def test_deepspeeds_zero_to_fp32_reads_our_checkpoints(runs, tmp_path):

@@ -24,6 +24,7 @@ from slimwise_train.distill import batches as B
 from slimwise_train.distill.losses import IGNORE_INDEX
 from slimwise_train.distill.trainer import NonFiniteLossError, Trainer, run_train
 from slimwise_train.config import CONF_DIR
+from slimwise_train.testing.faults import FaultHooks
 from slimwise_train.testing.tiny import SUPPORTED_TINY
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +138,7 @@ assert "slimwise_train.distill.export" not in sys.modules  # the Slimwise* class
 """
 
 
+@pytest.mark.subprocess
 def test_exported_student_reloads_in_a_fresh_process(trained):
     from slimwise_train.moe.handoff import prefill
 
@@ -259,6 +261,7 @@ def test_tokenizer_model_vocabulary_mismatch_is_a_clear_error(tmp_path):
     assert not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.subprocess
 def test_unknown_config_key_is_a_clean_error(tmp_path):
     with pytest.raises(ConfigCompositionException, match="lr_typo"):
         make_cfg(tmp_path, "distill.lr_typo=1")
@@ -273,8 +276,8 @@ def test_unknown_config_key_is_a_clean_error(tmp_path):
 def test_nan_loss_skips_the_step_then_aborts_without_a_corrupt_checkpoint(tmp_path):
     # One non-finite step: skipped and counted, parameters untouched by it, the run finishes.
     out = tmp_path / "one"
-    summary = run_train(make_cfg(out, "distill.max_steps=3", "distill.save_every=1", "distill.keep_checkpoints=3",
-                                 "+extra.nan_at_steps=[2]"))
+    summary = run_train(make_cfg(out, "distill.max_steps=3", "distill.save_every=1", "distill.keep_checkpoints=3"),
+                        hooks=FaultHooks(nan_at_steps=frozenset({2})))
     assert summary["nan_skipped"] == 1 and summary["steps"] == 3
     ckpt = lambda s: load_file(str(out / "checkpoints" / f"step_{s:06d}" / "trainable.safetensors"))  # noqa: E731
     one, two, three = ckpt(1), ckpt(2), ckpt(3)
@@ -282,7 +285,8 @@ def test_nan_loss_skips_the_step_then_aborts_without_a_corrupt_checkpoint(tmp_pa
     assert any(not torch.equal(two[k], three[k]) for k in two)  # the next step trained again
     assert [r.get("skipped") for r in read_metrics(out) if r["step"] == 2 and "nan_skipped" in r] == [1]
 
-    # max_nan_steps in a row: a clear error; only finite, complete checkpoints from before remain.
+    # max_nan_steps in a row: a clear error; only finite, complete checkpoints from before remain. (The faults named
+    # in the config, as a command line names them: FaultHooks.from_config.)
     out = tmp_path / "abort"
     with pytest.raises(NonFiniteLossError, match="2 consecutive steps with a non-finite loss"):
         run_train(make_cfg(out, "distill.max_steps=5", "distill.save_every=1", "distill.max_nan_steps=2",
@@ -291,6 +295,64 @@ def test_nan_loss_skips_the_step_then_aborts_without_a_corrupt_checkpoint(tmp_pa
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     one, two = ckpt_at(out, 1), ckpt_at(out, 2)
     assert all(torch.isfinite(t).all() and torch.equal(t, two[k]) for k, t in one.items())
+
+
+def test_adding_a_loss_term_is_one_function_and_one_config_entry(tmp_path):
+    """Issue 25 item 2, the walk-through: register a term by name (here a toy L2 on the logits), name it in
+    distill.loss.terms, train: it is in the loss and logged by name in training and on the held-out set."""
+    from slimwise_train.distill.losses import TERMS, register_term
+
+    @register_term("logit_l2")
+    def logit_l2(x):
+        # sum over the valid rows of the mean squared logit difference: x.student, x.teacher [N, V] -> []
+        d = (x.student.float() - x.teacher.float()).pow(2).mean(-1)
+        return torch.where(x.valid, d, torch.zeros_like(d)).sum()
+
+    try:
+        summary = run_train(make_cfg(tmp_path, "+distill.loss.terms.logit_l2=0.01", "distill.max_steps=2",
+                                     "distill.eval_every=2", "distill.export=false"))
+    finally:
+        TERMS.pop("logit_l2")
+    steps = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["logit_l2"] > 0 and abs(r["loss"] - (0.1 * r["ce"] + 0.9 * r["kl"] + 0.01 * r["logit_l2"])) < 1e-9
+    assert summary["eval/logit_l2"] > 0
+    assert abs(summary["eval/loss"] - (0.1 * summary["eval/ce"] + 0.9 * summary["eval/kl"]
+                                       + 0.01 * summary["eval/logit_l2"])) < 1e-9
+    assert all("logit_l2" in h for h in summary["history"])
+
+
+def test_an_unknown_loss_term_is_refused_before_anything_is_created(tmp_path):
+    with pytest.raises(ValueError, match=r"^unknown distill.loss.terms key 'nope'; known terms: ce, full_kl, kl$"):
+        run_train(make_cfg(tmp_path / "out", "+distill.loss.terms.nope=1"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_trainer_from_components_plans_the_same_steps(trained):
+    """bench/train.py's trainer: built from parts (Trainer.from_components), the same data plan and objective."""
+    trainer, _, _ = trained
+    other = Trainer.from_components(trainer.cfg, student=trainer.student, engine=trainer.engine, plan=trainer.plan,
+                                    tokenizer=trainer.tokenizer, device="cpu", micro_batch=trainer.micro_batch)
+    assert other.objective.weights == trainer.objective.weights == {"ce": 0.1, "kl": 0.9}
+    assert (other.global_batch, other.grad_accum, other.single_pass) == (trainer.global_batch, 1, trainer.single_pass)
+    for step in (0, 5):
+        mine, theirs = other._micro_batches(step), trainer._micro_batches(step)
+        assert mine[1] == theirs[1]
+        assert all(torch.equal(a.cont_ids, b.cont_ids) for a, b in zip(mine[0], theirs[0]))
+    with pytest.raises(ValueError, match="global batch 4 is not world_size 1 x distill.grad_accum 1 x micro batch 2"):
+        Trainer.from_components(trainer.cfg, student=trainer.student, engine=trainer.engine, plan=trainer.plan,
+                                tokenizer=trainer.tokenizer, device="cpu", micro_batch=2)
+
+
+def test_both_engines_implement_the_engine_protocol():
+    from slimwise_train.distill.engine import DeepSpeedZeroEngine, Engine, TorchEngine
+
+    methods = {m for m, value in vars(Engine).items() if not m.startswith("_") and callable(value)}
+    assert {"forward", "backward", "step", "skip_step", "lr", "trainable_state_dict", "gathered_parameters", "save",
+            "load", "close"} <= methods
+    for cls in (TorchEngine, DeepSpeedZeroEngine):
+        assert all(callable(getattr(cls, m, None)) for m in methods), cls
 
 
 def ckpt_at(out, step):

@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from transformers import AutoTokenizer
 
-from slimwise_train.config import CONF_DIR
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.masking import PhaseMasking
@@ -24,8 +22,9 @@ from slimwise_train.prune.app import run_prune
 from slimwise_train.prune.statistics import load_scores
 from slimwise_train.testing.tiny import tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+from helpers import CHILD_ENV as ENV
+from helpers import compose_config
+
 SMALL = ["progress=false", "data.num_samples=48", "data.batch_size=16", "data.seq_len=128"]
 
 
@@ -51,6 +50,7 @@ def error_lines(proc, prog):
 # --------------------------------------------------------------------------- 1. model.path alone
 
 
+@pytest.mark.subprocess
 def test_model_path_alone_points_prune_at_the_checkpoint(tmp_path):
     ckpt = save_checkpoint(tmp_path / "my-moe-12e")
     proc = run_app([f"model.path={ckpt}", f"prune.cache_dir={tmp_path / 'cache'}", *SMALL], cwd=tmp_path)
@@ -63,6 +63,7 @@ def test_model_path_alone_points_prune_at_the_checkpoint(tmp_path):
     assert summary["model"].startswith(str(ckpt))
 
 
+@pytest.mark.subprocess
 def test_a_preset_with_both_path_and_tiny_is_an_error(tmp_path):
     ckpt = save_checkpoint(tmp_path / "ckpt")
     proc = run_app([f"model.path={ckpt}", "model.tiny=qwen3_moe", f"hydra.run.dir={tmp_path / 'run'}", *SMALL],
@@ -73,12 +74,11 @@ def test_a_preset_with_both_path_and_tiny_is_an_error(tmp_path):
 
 
 def test_model_path_names_every_app_run_after_the_checkpoint():
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        for app in ("prune", "train", "eval"):
-            cfg = compose(app, overrides=["model.path=/data/ckpts/Qwen3-30B-A3B-ft"])
-            assert cfg.model.name == "Qwen3-30B-A3B-ft" and cfg.model.tiny is None
-            default = compose(app)
-            assert default.model.name == "tiny_qwen3_moe" and default.model.tiny == "qwen3_moe"
+    for app in ("prune", "train", "eval"):
+        cfg = compose_config(app, "model.path=/data/ckpts/Qwen3-30B-A3B-ft")
+        assert cfg.model.name == "Qwen3-30B-A3B-ft" and cfg.model.tiny is None
+        default = compose_config(app)
+        assert default.model.name == "tiny_qwen3_moe" and default.model.tiny == "qwen3_moe"
 
 
 # --------------------------------------------------------------------------- 2. statistics cache key
@@ -100,9 +100,8 @@ def test_same_routers_different_experts_get_different_statistics(tmp_path):
     assert routers and all(torch.equal(p, a_state[n]) for n, p in routers)
 
     def prune(folder, run):
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            cfg = compose("prune", overrides=[f"model.path={folder}", f"output_dir={tmp_path / run}",
-                                              f"prune.cache_dir={tmp_path / 'cache'}", *SMALL])
+        cfg = compose_config("prune", f"model.path={folder}", f"output_dir={tmp_path / run}",
+                             f"prune.cache_dir={tmp_path / 'cache'}", *SMALL)
         return run_prune(cfg)
 
     assert prune(a, "ra")["statistics"] == "computed"
@@ -114,9 +113,8 @@ def test_same_routers_different_experts_get_different_statistics(tmp_path):
     assert torch.equal(stats_b.frequency[0], stats_a.frequency[0])
     torch.testing.assert_close(stats_b.ean_sum[0], 1.5 * stats_a.ean_sum[0], rtol=1e-6, atol=0)
     # ... and a scores file of a is refused for b.
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("prune", overrides=[f"model.path={tmp_path / 'b'}", f"output_dir={tmp_path / 'rc'}",
-                                          f"prune.scores={tmp_path / 'ra' / 'scores.safetensors'}", *SMALL])
+    cfg = compose_config("prune", f"model.path={tmp_path / 'b'}", f"output_dir={tmp_path / 'rc'}",
+                         f"prune.scores={tmp_path / 'ra' / 'scores.safetensors'}", *SMALL)
     with pytest.raises(ValueError, match="computed on another model.*weights_sha256"):
         run_prune(cfg)
 
@@ -128,6 +126,7 @@ def test_same_routers_different_experts_get_different_statistics(tmp_path):
     ("slimwise_train.prune", "+prune.ratoi=0.25", "slimwise_train.prune"),
     ("slimwise_train", "+distill.lr_rate=1e-3", "slimwise_train"),
 ])
+@pytest.mark.subprocess
 def test_unknown_key_added_with_plus_is_rejected(tmp_path, app, override, prog):
     proc = run_app([override, f"hydra.run.dir={tmp_path / 'run'}", *SMALL], cwd=tmp_path, app=app)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -141,26 +140,23 @@ def test_unknown_key_added_with_plus_is_rejected(tmp_path, app, override, prog):
 
 
 def test_seq_len_one_is_refused(tmp_path):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("prune", overrides=[f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
-                                          "progress=false", "data.seq_len=1"])
+    cfg = compose_config("prune", f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
+                         "progress=false", "data.seq_len=1")
     with pytest.raises(ValueError, match="data.seq_len=1"):
         run_prune(cfg)
     assert not (tmp_path / "out").exists()
 
 
 def test_too_few_calibration_tokens_are_refused_with_the_count(tmp_path):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("prune", overrides=[f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
-                                          "progress=false", "data.num_samples=4", "data.seq_len=8"])
+    cfg = compose_config("prune", f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
+                         "progress=false", "data.num_samples=4", "data.seq_len=8")
     with pytest.raises(ValueError, match=r"32 real calibration tokens, fewer than prune.min_calibration_tokens=1024"):
         run_prune(cfg)
 
 
 def test_seq_len_beyond_the_models_positions_is_refused(tmp_path):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("prune", overrides=[f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
-                                          "progress=false", "data.seq_len=4096"])
+    cfg = compose_config("prune", f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
+                         "progress=false", "data.seq_len=4096")
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings=256"):
         run_prune(cfg)
 
@@ -193,8 +189,7 @@ def test_truncation_to_seq_len_is_reported(caplog):
 def _trainer(tmp_path, *overrides):
     from slimwise_train.distill.trainer import Trainer
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return Trainer(compose("train", overrides=[f"output_dir={tmp_path / 'out'}", *overrides]))
+    return Trainer(compose_config("train", f"output_dir={tmp_path / 'out'}", *overrides))
 
 
 def test_local_jsonl_with_the_default_eval_split_holds_out_disjoint_rows(tmp_path):
@@ -309,9 +304,7 @@ def test_atomic_writes_honour_the_umask(tmp_path, umask, mode):
 def test_prune_outputs_are_readable_by_the_group(tmp_path):
     old = os.umask(0o022)
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            run_prune(compose("prune", overrides=[f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}",
-                                                  *SMALL]))
+        run_prune(compose_config("prune", f"output_dir={tmp_path / 'out'}", f"prune.cache_dir={tmp_path / 'c'}", *SMALL))
     finally:
         os.umask(old)
     for name in ("keep_set.json", "scores.safetensors", "router_mask.safetensors", "prune_summary.json"):

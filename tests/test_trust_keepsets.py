@@ -9,26 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from slimwise_train.config import CONF_DIR, DataConfig, register_configs
+from slimwise_train.config import DataConfig
 from slimwise_train.distill.trainer import Trainer, run_train
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.testing.tiny import tiny_model
 
-register_configs()
-REPO = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-SMALL = ["experiment=tiny_smoke", "logger=none", "progress=false", "distill.max_steps=2", "distill.save_every=2",
-         "distill.eval_every=2", "distill.log_every=1", "distill.eval_samples=8", "data.num_samples=16"]
+from helpers import CHILD_ENV as ENV
+from helpers import REPO, TINY_TRAIN, compose_config, train_steps
+
+SMALL = [*TINY_TRAIN, "progress=false", *train_steps(2), "distill.eval_samples=8", "data.num_samples=16"]
 SEED0 = "tiny:qwen3_moe:seed=0"  # models.model_identity of the default tiny_qwen3_moe preset
 UNIFORM = [[0, 2, 5, 7], [1, 3, 4, 6]]
 OTHER_UNIFORM = [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -36,8 +33,7 @@ NON_UNIFORM = [[0, 2, 5, 7], [1, 3, 4, 5, 6]]
 
 
 def cfg_for(output_dir, *overrides):
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("train", overrides=[*SMALL, f"output_dir={output_dir}", *overrides])
+    return compose_config("train", *SMALL, f"output_dir={output_dir}", *overrides)
 
 
 def write_keep_set(path: Path, kept, model_type="qwen3_moe", model=SEED0) -> Path:
@@ -243,7 +239,7 @@ def test_a_rerun_that_scores_another_keep_set_is_refused_before_the_data_loads(t
     ("distill.max_steps=0", r"distill.max_steps=0 is invalid: it must be an integer >= 1"),
     ("distill.eval_every=0", r"distill.eval_every=0 is invalid"),
     ("distill.warmup_steps=-1", r"distill.warmup_steps=-1 is invalid"),
-    ("distill.kl_weight=-0.5", r"distill.kl_weight=-0.5 is invalid: it must be a finite number >= 0"),
+    ("distill.loss.terms.kl=-0.5", r"distill.loss.terms.kl=-0.5 is invalid: it must be a finite number >= 0"),
     ("distill.min_lr_ratio=2", r"distill.min_lr_ratio=2.0 is invalid"),
     ("distill.adam_beta2=1", r"distill.adam_beta2=1.0 is invalid"),
     ("distill.weight_decay=-0.1", r"distill.weight_decay=-0.1 is invalid"),
@@ -311,6 +307,7 @@ def _cli_case(tmp_path, case):
 
 
 @pytest.mark.parametrize("case", ["bad_index", "no_model_type", "foreign", "non_uniform_export", "lr", "missing_data"])
+@pytest.mark.subprocess
 def test_cli_refuses_bad_input_in_one_line_before_the_run_starts(tmp_path, case):
     args, expected = _cli_case(tmp_path, case)
     out = tmp_path / "out"
@@ -321,6 +318,7 @@ def test_cli_refuses_bad_input_in_one_line_before_the_run_starts(tmp_path, case)
     assert "trainable parameters" not in proc.stdout + proc.stderr  # refused before the model loaded
 
 
+@pytest.mark.subprocess
 def test_cli_refuses_to_rerun_a_run_folder_with_another_keep_set(tmp_path):
     out = tmp_path / "run"
     run_train(cfg_for(out, f"prune.keep_set={write_keep_set(tmp_path / 'first.json', UNIFORM)}",
@@ -334,6 +332,7 @@ def test_cli_refuses_to_rerun_a_run_folder_with_another_keep_set(tmp_path):
         k: v for k, v in before.items() if k != "train.log"}
 
 
+@pytest.mark.subprocess
 def test_cli_offline_hub_id_as_data_source_is_one_line(tmp_path):
     proc = train_cli(*SMALL, "data.source=someorg/somedata", f"hydra.run.dir={tmp_path / 'out'}")
     line = error_line(proc)

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from slimwise_train.config import CONF_DIR, register_configs
+from helpers import CHILD_ENV as ENV
+from helpers import compose_config
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
 FAST_S = 30  # a check that runs before the model is built answers in seconds
 
 
@@ -57,6 +55,7 @@ QWEN = "model=qwen3_moe_30b_a3b"
 ], ids=["seq_len_above_max_positions", "gpu_memory_negative", "gpu_memory_zero", "batch_size_zero",
         "prefix_above_seq_len", "prefix_negative", "continuation_negative", "prefix_plus_continuation",
         "seq_len_zero", "world_size_zero"])
+@pytest.mark.subprocess
 def test_plan_bad_input_is_one_line_before_the_model(tmp_path, args, needles):
     proc, seconds = run_app("slimwise_train.plan", args, tmp_path)
     line = assert_one_error(proc, seconds, "slimwise_train.plan", *needles)
@@ -65,9 +64,7 @@ def test_plan_bad_input_is_one_line_before_the_model(tmp_path, args, needles):
 
 
 def _plan_cfg(*overrides: str):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose("plan", overrides=list(overrides))
+    return compose_config("plan", *overrides)
 
 
 def test_plan_shape_follows_the_split_rule():
@@ -94,9 +91,11 @@ def test_plan_shape_follows_the_split_rule():
      ["eval.modes=[slimwise_distill]", "needs eval.student"]),
     (["eval.modes=[conventional,slimwise,reverse]"], ["eval.modes=[conventional,slimwise,reverse]",
                                                       "need eval.keep_sets"]),
-    (["eval.modes=[full,slimwize]"], ["unknown eval.modes ['slimwize']", "'slimwise_distill'"]),
+    (["eval.modes=[full,slimwize]"], ["eval.modes=['full', 'slimwize']: 'slimwize' is not one of: full, conventional, "
+                                      "slimwise, reverse, conventional_distill, slimwise_distill"]),
 ], ids=["distill_without_student", "distill_with_keep_set_without_student", "pruned_modes_without_keep_sets",
         "unknown_mode"])
+@pytest.mark.subprocess
 def test_eval_modes_that_evaluate_nothing_are_one_line_before_the_model(tmp_path, args, needles):
     proc, seconds = run_app("slimwise_train.eval", args, tmp_path)
     assert_one_error(proc, seconds, "slimwise_train.eval", *needles)

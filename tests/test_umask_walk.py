@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-       "WANDB_MODE": "disabled"}
+from helpers import CHILD_ENV
+
+pytestmark = pytest.mark.subprocess  # each app runs as a CLI child
+ENV = {**CHILD_ENV, "WANDB_MODE": "disabled"}
 UMASK = 0o027
 
 

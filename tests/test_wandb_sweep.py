@@ -16,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from helpers import compose_config
+
 REPO = Path(__file__).resolve().parents[1]
 # conftest / the Makefile default WANDB_MODE to disabled: these subprocesses must write real offline runs.
 ENV = {**{k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}, "WANDB_MODE": "offline",
@@ -78,6 +82,7 @@ def _offline_run(output_dir: Path) -> dict:
     return read_offline_run(run_dir)
 
 
+@pytest.mark.subprocess
 def test_a_multirun_is_one_wandb_group_with_named_runs_and_sweep_summaries(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
@@ -128,24 +133,22 @@ def test_a_multirun_is_one_wandb_group_with_named_runs_and_sweep_summaries(tmp_p
 
 
 def test_sweep_group_names_a_multirun_and_leaves_a_single_run_ungrouped():
-    from hydra import compose, initialize_config_dir
     from hydra.core.hydra_config import HydraConfig
 
-    from slimwise_train.config import CONF_DIR, register_configs, sweep_group
+    from slimwise_train.config import register_configs, sweep_group
 
     register_configs()
     assert sweep_group() is None  # composed outside an app: no Hydra run
     found = {}
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        for mode, sweep_dir in (("RUN", "outputs/train/x"), ("MULTIRUN", "outputs/train/tiny_qwen3_moe"),
-                                ("MULTIRUN", "/sweep"), ("MULTIRUN", "/scratch/me/lr-sweep-01")):
-            cfg = compose(config_name="train", overrides=["logger=wandb", f"hydra.mode={mode}",
-                                                          f"hydra.sweep.dir={sweep_dir}"], return_hydra_config=True)
-            HydraConfig.instance().set_config(cfg)
-            try:
-                found[(mode, sweep_dir)] = (sweep_group(), cfg.logger.group, cfg.logger.run_name)
-            finally:
-                HydraConfig.instance().cfg = None
+    for mode, sweep_dir in (("RUN", "outputs/train/x"), ("MULTIRUN", "outputs/train/tiny_qwen3_moe"),
+                            ("MULTIRUN", "/sweep"), ("MULTIRUN", "/scratch/me/lr-sweep-01")):
+        cfg = compose_config("train", "logger=wandb", f"hydra.mode={mode}", f"hydra.sweep.dir={sweep_dir}",
+                             return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        try:
+            found[(mode, sweep_dir)] = (sweep_group(), cfg.logger.group, cfg.logger.run_name)
+        finally:
+            HydraConfig.instance().cfg = None
     assert found == {("RUN", "outputs/train/x"): (None, None, "reap-r0.5"),
                      ("MULTIRUN", "outputs/train/tiny_qwen3_moe"): ("train/tiny_qwen3_moe",) * 2 + ("reap-r0.5",),
                      ("MULTIRUN", "/sweep"): ("sweep", "sweep", "reap-r0.5"),

@@ -16,6 +16,23 @@ from slimwise_train.bench.memory import run_memory
 from slimwise_train.bench.phase import run_phase
 from slimwise_train.bench.train import run_train
 
+USAGE = """`python -m slimwise_train.bench <name>`: side-by-side benchmarks that print one JSON line each.
+
+Every figure that matters is a ratio of two things timed in the same process, interleaved, so it holds on a
+noisy shared machine; absolute times are printed too and become meaningful on a GPU.
+
+    python -m slimwise_train.bench calib      # statistics collection vs a plain no-grad forward
+    python -m slimwise_train.bench phase      # phase-aware masking hooks in the prefill phase vs no hooks
+    python -m slimwise_train.bench loss       # top-k + residual KL vs naive full-vocabulary KL
+    python -m slimwise_train.bench decode     # decode step: full vs masked vs pruned pools, batch 1..64
+    python -m slimwise_train.bench train      # distillation step vs a naive two-copy step and the lower bound
+    python -m slimwise_train.bench memory     # per-rank memory of the trainer on a saved checkpoint, per engine
+    python -m slimwise_train.bench lm_eval    # lm-eval's slimwise model vs the eval app: same cells, wall-time ratio
+    python -m slimwise_train.bench engine     # llama.cpp decode/prefill: full vs pruned, beside this machine's roofline
+
+`memory` launches torchrun itself (2 ranks) and prints one JSON line per engine, then its targets.
+"""
+
 BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train,
            "memory": run_memory, "lm_eval": run_lm_eval_bench, "engine": run_engine}
 
@@ -37,9 +54,7 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    import slimwise_train.bench as package  # its docstring is the --help description
-
-    parser = argparse.ArgumentParser(prog="python -m slimwise_train.bench", description=package.__doc__,
+    parser = argparse.ArgumentParser(prog="python -m slimwise_train.bench", description=USAGE,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="name", required=True)
     calib = sub.add_parser("calib", help="statistics collection vs plain no-grad forward")
@@ -92,8 +107,8 @@ def main(argv=None) -> int:
     _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
                 repeats=3)
     train.add_argument("--prune-ratio", type=float, default=0.5, help="share of routed experts removed per layer")
-    train.add_argument("--loss-top-k", type=int, default=64, help="distill.top_k of the KL")
-    train.add_argument("--chunk", type=int, default=1024, help="distill.chunk_size of the loss")
+    train.add_argument("--loss-top-k", type=int, default=64, help="distill.loss.top_k of the KL")
+    train.add_argument("--chunk", type=int, default=1024, help="distill.loss.chunk_size of the loss")
     train.add_argument("--split", default="0.5",
                        help="split point as a fraction of --seq for every row, or 'random' (s ~ U{1..seq-2} per row)")
     train.add_argument("--seed", type=int, default=0)

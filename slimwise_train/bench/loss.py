@@ -15,7 +15,7 @@ def _loss_memory_child(variant: str, tokens: int, vocab: int, top_k: int, chunk:
     """Runs in a fresh process: peak RSS growth of one loss forward+backward beyond its inputs."""
     import torch.nn.functional as F
 
-    from slimwise_train.distill.losses import distill_loss
+    from slimwise_train.distill.objective import distill_loss
 
     g = torch.Generator().manual_seed(0)
     student = torch.randn(tokens, vocab, generator=g).requires_grad_(True)
@@ -40,7 +40,7 @@ def run_loss(args) -> dict:
     import subprocess
     import torch.nn.functional as F
 
-    from slimwise_train.distill.losses import distill_loss
+    from slimwise_train.distill.objective import distill_loss
 
     # The naive KL needs ~5 logits tensors on top of its inputs (~30 GB at 8192 x 151,936 on CPU), so its memory is
     # measured on fewer tokens; both figures are per one fp32 logits tensor of the tokens each ran.

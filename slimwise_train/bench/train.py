@@ -8,6 +8,7 @@ import sys
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from slimwise_train.bench.common import (_peak_rss_bytes, _reset_peak_rss, _rss_now_bytes, bench_model,
                                          interleaved_times)
@@ -17,11 +18,10 @@ def _train_cfg(args: dict):
     """The trainer's config (distill defaults of the real schema, the loss knobs from the command line)."""
     from omegaconf import OmegaConf
 
-    from slimwise_train.config import DistillConfig
+    from slimwise_train.config import DistillConfig, LossConfig
 
-    distill = DistillConfig(top_k=args["loss_top_k"], chunk_size=args["chunk"], grad_accum=1)
-    return OmegaConf.create({"distill": OmegaConf.structured(distill), "extra": {}, "output_dir": ".",
-                             "seed": args["seed"]})
+    distill = DistillConfig(loss=LossConfig(top_k=args["loss_top_k"], chunk_size=args["chunk"]), grad_accum=1)
+    return OmegaConf.create({"distill": OmegaConf.structured(distill), "output_dir": ".", "seed": args["seed"]})
 
 
 def _train_build(args: dict, device, variants, after_teacher: Callable[[], None] | None = None):
@@ -33,13 +33,13 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
     import copy
     from types import SimpleNamespace
 
-    import torch.nn.functional as F
     from transformers import DynamicCache
 
     from slimwise_train.moe.adapters import get_adapter
     from slimwise_train.distill import batches as B
     from slimwise_train.distill.engine import TorchEngine
     from slimwise_train.distill.losses import IGNORE_INDEX
+    from slimwise_train.distill.objective import Objective
     from slimwise_train.distill.student import (DistillModel, SharedExpert, StudentSpec, activation_name, find_norms,
                                                 routed_expert_size)
     from slimwise_train.distill.trainer import Trainer
@@ -60,6 +60,7 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
     keep = KeepSet.from_kept(layers, [list(range(num_to_keep(m.num_experts, args["prune_ratio"]))) for m in layers])
     cfg = _train_cfg(args)
     d = cfg.distill
+    objective = Objective.from_config(d.loss)  # the terms and weights all three variants train on
 
     # One batch from the trainer's own data plan: `batch` sequences of `seq` random tokens; a one-batch plan without
     # shuffling repeats it at every step. split="random": the trainer's default rule, s ~ U{1..seq-2} per row (a
@@ -94,6 +95,10 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
                                  eps=float(d.adam_eps), weight_decay=float(d.weight_decay))
 
     if "naive" in variants:
+        missing = [name for name in objective.terms if name not in NAIVE_TERMS]
+        if missing:
+            raise ValueError(f"bench train: the naive step has no counterpart of the loss terms {missing}; it has "
+                             f"{', '.join(NAIVE_TERMS)}")
         # A separate student: deep copy of the teacher, experts physically pruned, its own routers and norms
         # trainable in place, plus a new shared expert (same module and init as ours) added to the experts' output.
         student = prune_experts_(copy.deepcopy(teacher), keep)
@@ -128,9 +133,8 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
                              past_key_values=cache, use_cache=True).logits
             valid = batch.labels != IGNORE_INDEX
             s, t = logits[valid].float(), target[valid].float()
-            kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
-            loss = float(d.ce_weight) * F.cross_entropy(s, batch.labels[valid]) + float(d.kl_weight) * kl
-            loss.backward()
+            naive_terms = {name: NAIVE_TERMS[name](s, t, batch.labels[valid]) for name in objective.terms}
+            objective.total(naive_terms).backward()
             optimizer_step(params, naive_opt)
 
         steps["naive"] = naive
@@ -144,15 +148,11 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
         model = DistillModel(teacher, keep, spec)
         trainable = [p for _, p in model.trainable_named_parameters()]
     if "ours" in variants:
-        # The real step: Trainer.train_step on a trainer whose setup() is replaced by the attributes it would set
-        # (model, data plan, engine=torch); no files, no logger.
-        trainer = Trainer(cfg)
-        trainer.rank, trainer.world_size, trainer.device = 0, 1, device
-        trainer.student, trainer.rule, trainer.train_seqs, trainer.plan = model, rule, seqs, plan
-        trainer.micro_batch, trainer.grad_accum, trainer.global_batch = args["batch"], 1, args["batch"]
-        trainer.tokenizer = SimpleNamespace(pad_token_id=pad)
-        trainer.engine = TorchEngine(model, d, device)
-        trainer.single_pass = trainer._teacher_single_pass()  # as setup() decides it (full attention: one pass)
+        # The real step: Trainer.train_step on a trainer built from these parts (the student, the data plan,
+        # engine=torch) instead of setup(); no files, no logger.
+        trainer = Trainer.from_components(cfg, student=model, engine=TorchEngine(model, d, device), plan=plan,
+                                          tokenizer=SimpleNamespace(pad_token_id=pad), device=device,
+                                          micro_batch=args["batch"])
         steps["ours"] = lambda: trainer.train_step(0)
     if "lower_bound" in variants:
         lower_opt = adamw(trainable)
@@ -171,6 +171,19 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
 
 
 TRAIN_VARIANTS = ("ours", "naive", "lower_bound")
+
+
+def _naive_kl(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), log_target=True, reduction="batchmean")
+
+
+def _naive_ce(s: torch.Tensor, t: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(s, labels)
+
+
+# The naive step's counterpart of each loss term, as existing tools compute it: means over the valid tokens of the
+# full-vocabulary fp32 softmaxes, unchunked (s, t: [N, V] fp32 valid rows, labels [N]). Both KLs are the dense one.
+NAIVE_TERMS = {"ce": _naive_ce, "kl": _naive_kl, "full_kl": _naive_kl}
 
 
 def _train_memory_child(variant: str, args: dict) -> dict:
@@ -228,7 +241,8 @@ def run_train(args) -> dict:
 
     All three run the same batch from the trainer's DataPlan (`--split`: every row split at that fraction of
     `--seq`, default the mean split 0.5, or the trainer's random split points) and the same AdamW settings; the
-    loss knobs are distill.top_k / chunk_size (`--loss-top-k`, `--chunk`, defaults of the real config).
+    loss is the real config's distill.loss (its terms and weights; top_k and chunk_size from `--loss-top-k`,
+    `--chunk`), the naive step's terms their full-vocabulary counterparts (NAIVE_TERMS).
 
     Time: interleaved repeats in one process after a warm-up round, medians; throughput counts real continuation
     tokens (no padding). Memory: each variant in a fresh process, two steps (the second one with optimizer state).

@@ -3,14 +3,17 @@
     engine=torch   single process, or DistributedDataParallel when launched with several ranks (gloo on CPU)
     engine=zero1|zero2|zero3   DeepSpeed ZeRO stage 1/2/3, optional optimizer offload to CPU
 
-All engines expose the same small surface to the trainer:
+Both engines implement `Engine` (the Protocol below), the whole surface the trainer and checkpoint.py use:
 
     logits = engine.forward("teacher"|"student", input_ids=..., attention_mask=..., position_ids=..., past_key_values=...)
     engine.backward(loss, last_micro_batch)    # loss already normalised by the GLOBAL token count
     grad_norm = engine.step()                   # clip (explicit distill.grad_clip), optimizer, scheduler, zero grads
     engine.skip_step()                          # drop this step's gradients (non-finite loss)
+    engine.lr()                                 # the scheduler's current learning rate
     engine.trainable_state_dict()               # full (gathered) trainable tensors on CPU, every rank
-    engine.save(dir) / engine.load(dir)         # optimizer + scheduler (+ DeepSpeed's own files)
+    with engine.gathered_parameters(params):    # full values of (ZeRO-3 partitioned) parameters, every rank
+    engine.save(dir) / engine.load(dir, trainable)   # optimizer + scheduler (+ DeepSpeed's own files)
+    engine.close()
 
 Gradient scale: DDP and DeepSpeed average gradients over the W data-parallel ranks, while the loss is a sum over
 every rank's tokens divided by the global count; `backward` multiplies by W so the applied gradient is the gradient
@@ -30,17 +33,17 @@ import os
 import socket
 import warnings
 from pathlib import Path
+from typing import ContextManager, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from slimwise_train.config import zero_stage
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.distributed import is_partitioned
 
-ENGINES = ("torch", "zero1", "zero2", "zero3")
-ZERO_STAGE = {"torch": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 log = logging.getLogger("slimwise.train")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,17 +62,10 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float):
 
 
 def validate_engine_config(engine_cfg, distill_cfg) -> None:
-    if engine_cfg.name not in ENGINES:
-        raise ValueError(f"unknown engine {engine_cfg.name!r}; use one of {', '.join(ENGINES)} (engine=zero2)")
-    if int(engine_cfg.zero_stage) != ZERO_STAGE[engine_cfg.name]:
-        raise ValueError(
-            f"engine.name={engine_cfg.name} but engine.zero_stage={engine_cfg.zero_stage}; pick the stage with the "
-            f"engine group (engine=zero{engine_cfg.zero_stage}) instead of overriding zero_stage"
-        )
+    """What the schema cannot say (engine.name, precision and backend are Literal fields: check_known_keys refuses
+    any other value): the keys that apply to some engines only."""
     if engine_cfg.offload_optimizer and engine_cfg.name not in ("zero2", "zero3"):
         raise ValueError(f"engine.offload_optimizer needs engine=zero2 or zero3, not {engine_cfg.name}")
-    if engine_cfg.precision not in ("auto", "fp32", "bf16"):
-        raise ValueError(f"unknown engine.precision {engine_cfg.precision!r}; use auto, fp32 or bf16")
     if engine_cfg.name != "zero3":
         from slimwise_train.config import EngineConfig
 
@@ -90,7 +86,7 @@ def resolve_precision(engine_cfg, device: torch.device) -> str:
 
 
 def build_engine(engine_cfg, distill_cfg, module, micro_batch_size: int, device: torch.device,
-                 loading: "PartitionedLoading | None" = None):
+                 loading: "PartitionedLoading | None" = None) -> Engine:
     validate_engine_config(engine_cfg, distill_cfg)
     if engine_cfg.name == "torch":
         return TorchEngine(module, distill_cfg, device)
@@ -121,6 +117,45 @@ def _optimizer_kwargs(distill_cfg) -> dict:
         "eps": float(distill_cfg.adam_eps),
         "weight_decay": float(distill_cfg.weight_decay),
     }
+
+
+class Engine(Protocol):
+    """What the trainer and checkpoint.py call on an engine; `TorchEngine` and `DeepSpeedZeroEngine` implement it."""
+
+    name: str
+    # Whether gradients accumulated by some micro-batches of a step can be dropped (a non-finite loss mid-step):
+    # DeepSpeed with grad_accum > 1 cannot, so the trainer stops instead (Trainer._skip_nan_step).
+    supports_partial_skip: bool
+
+    def forward(self, phase: str, **kwargs) -> torch.Tensor:
+        """The module's logits in `phase` ("teacher": no student deltas, "student": the pruned student)."""
+
+    def backward(self, loss: torch.Tensor, last_micro_batch: bool) -> None:
+        """Accumulate the gradient of `loss` (normalised by the global token count: no averaging here)."""
+
+    def step(self) -> float:
+        """Clip, optimizer and scheduler step, zero the gradients; returns the gradient norm before clipping."""
+
+    def skip_step(self) -> None:
+        """Drop this step's accumulated gradients."""
+
+    def lr(self) -> float:
+        """The current learning rate."""
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every trainable tensor in full, on CPU, on every rank (collective under ZeRO-3)."""
+
+    def gathered_parameters(self, params=None) -> ContextManager:
+        """Full values of `params` (default: all) inside the context, on every rank (collective under ZeRO-3)."""
+
+    def save(self, directory: Path) -> None:
+        """Optimizer and scheduler state into `directory` (the trainable tensors are checkpoint.py's)."""
+
+    def load(self, directory: Path, trainable: dict[str, torch.Tensor]) -> None:
+        """Restore what `save` wrote and the trainable tensors (`trainable`; DeepSpeed reads its own copy)."""
+
+    def close(self) -> None:
+        """Release the wrapped module, optimizer and scheduler."""
 
 
 # --------------------------------------------------------------------------- engine=torch
@@ -252,7 +287,7 @@ def deepspeed_config(engine_cfg, distill_cfg, micro_batch_size: int, device: tor
                      hidden_size: int | None = None) -> dict:
     """The one DeepSpeed config of a run: used to load the model partitioned and to build the engine. Unset ZeRO-3
     bucket sizes follow the model's hidden size (transformers' "auto" rule)."""
-    stage = ZERO_STAGE[engine_cfg.name]
+    stage = zero_stage(engine_cfg)
     precision = resolve_precision(engine_cfg, device)
     zero: dict = {"stage": stage}
     if engine_cfg.offload_optimizer:
@@ -366,14 +401,14 @@ class PartitionedLoading:
 
 
 class DeepSpeedZeroEngine:
-    supports_partial_skip = False  # DeepSpeed counts micro-steps itself; see Trainer._abort_on_nan
+    supports_partial_skip = False  # DeepSpeed counts micro-steps itself; see Trainer._skip_nan_step
 
     def __init__(self, module, engine_cfg, distill_cfg, micro_batch_size: int, device: torch.device,
                  config: dict | None = None):
         deepspeed = _setup_deepspeed(engine_cfg, device)
         self._deepspeed = deepspeed
         self.name = engine_cfg.name
-        self.stage = ZERO_STAGE[engine_cfg.name]
+        self.stage = zero_stage(engine_cfg)
         self.world_size = du.world_size()
         self.grad_accum = int(distill_cfg.grad_accum)
         self.supports_partial_skip = self.grad_accum == 1

@@ -31,9 +31,10 @@ Serving:
 * disaggregated: `export.export_student` merges the deltas into the kept experts / attention weights of the pruned
   decode checkpoint (`merge_lora_`);
 * co-located: `export_adapter` writes a peft adapter folder (`PeftModel.from_pretrained(stock, folder)` loads the
-  LoRA part) plus the always-on tensors and the keep set; `load_colocated(stock, folder)` turns one stock model into
-  prefill = stock (adapters off, all experts) and decode = the distilled student (adapters on, removed experts
-  masked), driven by `PhaseMasking`'s phase rule (`set_phase("auto")` for `model.generate`).
+  LoRA part) plus the always-on tensors and the keep set; `load_colocated(stock, folder)` (in student.py, which
+  builds the DistillModel and imports this module) turns one stock model into prefill = stock (adapters off, all
+  experts) and decode = the distilled student (adapters on, removed experts masked), driven by `PhaseMasking`'s phase
+  rule (`set_phase("auto")` for `model.generate`).
 
 Shapes: E routed experts of a layer, r the LoRA rank.
 """
@@ -51,7 +52,6 @@ from torch import nn
 
 from slimwise_train.config import TrainablePreset
 from slimwise_train.moe.adapters import MoEAdapter
-from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.atomic import atomic_dir
 from slimwise_train.utils.distributed import full_shape
 
@@ -277,7 +277,7 @@ def export_adapter(student, output_dir: str | os.PathLike, tokenizer=None, overw
         "trainable": preset_name(lora),
         "spec": student.spec.__dict__,
         "model_type": student.model.config.model_type,
-        "load": "slimwise_train.distill.lora.load_colocated(stock_model, folder)  # prefill stock, decode student",
+        "load": "slimwise_train.distill.student.load_colocated(stock_model, folder)  # prefill stock, decode student",
         "peft": "PeftModel.from_pretrained(stock_model, folder) loads the LoRA part only (no router/norm deltas, "
                 "no shared expert, no masking)",
         "num_kept": list(student.keep_set.num_kept),
@@ -293,71 +293,3 @@ def export_adapter(student, output_dir: str | os.PathLike, tokenizer=None, overw
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     return output_dir
-
-
-def load_adapter_student(model: nn.Module, folder: str | os.PathLike):
-    """The DistillModel of an adapter folder rebuilt on `model` (a stock copy of the teacher), weights loaded."""
-    from safetensors.torch import load_file
-
-    from slimwise_train.distill.student import DistillModel, StudentSpec
-
-    folder = Path(folder)
-    info_path = folder / INFO_FILE
-    if not info_path.is_file():
-        raise ValueError(f"{folder} is not a slimwise adapter folder (no {INFO_FILE}; export_adapter writes one)")
-    info = json.loads(info_path.read_text())
-    if info.get("format") != ADAPTER_FORMAT:
-        raise ValueError(f"{info_path}: format {info.get('format')!r}, expected {ADAPTER_FORMAT!r}")
-    student = DistillModel(model, KeepSet.load(folder / KEEP_SET_FILE), StudentSpec(**info["spec"]))
-    state = {}
-    for key, tensor in load_file(str(folder / "adapter_model.safetensors")).items():
-        module, _, leaf = key.removeprefix(PEFT_PREFIX).rpartition(".")  # ...lora_A.weight -> ...lora_A.default.weight
-        state[f"model.{module}.{ADAPTER_NAME}.{leaf}"] = tensor
-    if (folder / ALWAYS_ON_FILE).is_file():
-        state.update(load_file(str(folder / ALWAYS_ON_FILE)))
-    params = dict(student.trainable_named_parameters())
-    if set(params) != set(state):
-        missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
-        raise ValueError(f"{folder} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    with torch.no_grad():
-        for name, param in params.items():
-            param.copy_(state[name])
-            param.requires_grad_(False)  # serving
-    return student
-
-
-class ColocatedStudent:
-    """One model, both phases: prefill = the stock model (LoRA off, all experts, stock routers and norms); decode =
-    the distilled student (LoRA on, removed experts masked, trained deltas and shared experts on).
-
-    `PhaseMasking` decides the phase of each forward (explicit `phase("prefill"|"decode")`, or `set_phase("auto")`:
-    one new token per sequence on a non-empty cache is decode), and the student follows it, so `model.generate`,
-    `handoff.continue_on_cache(..., phase="decode")` and `masking.model_phase` work unchanged."""
-
-    def __init__(self, student, phase: str = "prefill"):
-        from slimwise_train.moe.masking import PhaseMasking
-
-        self.student = student
-        self.model = student.model
-        self.masking = PhaseMasking(self.model, student.keep_set, adapter=student.adapter, phase=phase)
-        # Registered after PhaseMasking's own pre-hook, so it reads the phase that one resolved for this forward.
-        self._handle = self.model.register_forward_pre_hook(self._follow)
-
-    def _follow(self, module, args):
-        self.student.phase = "student" if self.masking.masking_active else "teacher"
-
-    def set_phase(self, phase: str) -> None:
-        self.masking.set_phase(phase)
-
-    def phase(self, phase: str):
-        return self.masking.phase(phase)
-
-    def remove(self) -> None:
-        self._handle.remove()
-        self.masking.remove()
-        self.student.phase = "teacher"
-
-
-def load_colocated(model: nn.Module, folder: str | os.PathLike, phase: str = "prefill") -> ColocatedStudent:
-    """Co-located serving of an `export_adapter` folder on `model` (the stock teacher, modified in place)."""
-    return ColocatedStudent(load_adapter_student(model, folder), phase=phase)

@@ -1,9 +1,21 @@
-"""Distillation losses: CE on data tokens plus KL(teacher || student).
+"""Distillation losses: CE on data tokens plus KL(teacher || student), and the registry of named terms.
 
-All functions are pure tensor functions. They return SUMS over valid tokens plus the local
-token count (``LossSums``), never means, so the trainer can normalise by the GLOBAL number
-of continuation tokens across data-parallel ranks (and gradient-accumulation micro-batches).
-``distill_loss`` does the weighting and normalisation given that global count.
+All functions are pure tensor functions. They return SUMS over valid tokens (the standalone
+losses also the local token count, ``LossSums``), never means, so the trainer can normalise by
+the GLOBAL number of continuation tokens across data-parallel ranks (and gradient-accumulation
+micro-batches). ``distill/objective.py`` weights the terms named in ``distill.loss.terms`` and
+does that normalisation.
+
+Terms (``TERMS``, picked by name): ``ce``, ``kl`` (top-k + residual) and ``full_kl`` come from
+one fused pass (``ce_and_kl``). A new term is one function here::
+
+    @register_term("l2")
+    def l2(x: LossInputs) -> Tensor:
+        # sum over the valid rows of ||S - T||^2 / V on the logits x.student, x.teacher [N, V]
+        d = (x.student.float() - x.teacher.float()).pow(2).mean(-1)
+        return torch.where(x.valid, d, torch.zeros_like(d)).sum()
+
+and one config entry (``distill.loss.terms.l2=0.01``, or a line in conf/distill/default.yaml).
 
 Shapes (leading dims are flattened, so ``[B, T, V]`` logits with ``[B, T]`` labels also work):
 
@@ -45,14 +57,18 @@ from torch.autograd.function import once_differentiable
 
 __all__ = [
     "IGNORE_INDEX",
+    "LossInputs",
     "LossSums",
-    "LOSSES",
-    "KL_LOSSES",
+    "TERMS",
+    "ce_and_kl",
+    "compute_terms",
     "cross_entropy",
     "full_kl",
+    "get_term",
+    "prepare_inputs",
+    "register_term",
+    "register_terms",
     "topk_residual_kl",
-    "distill_loss",
-    "get_loss",
 ]
 
 IGNORE_INDEX = -100
@@ -384,7 +400,7 @@ def _as_loss_sums(total: tuple[Tensor, ...], valid: Tensor, index: int) -> LossS
 
 
 # --------------------------------------------------------------------------------------
-# Public losses (registry entries share one signature; unused arguments are ignored)
+# Standalone losses (one shared signature; unused arguments are ignored)
 # --------------------------------------------------------------------------------------
 
 
@@ -473,103 +489,141 @@ def topk_residual_kl(
     return _as_loss_sums(total, valid, 1)
 
 
-LossFn = Callable[..., LossSums]
-
-# name -> fn(student_logits, teacher_logits, labels, *, mask, top_k, chunk_size, ignore_index)
-LOSSES: dict[str, LossFn] = {
-    "topk_residual_kl": topk_residual_kl,
-    "full_kl": full_kl,
-    "ce": cross_entropy,
-}
-# The KL variants distill_loss can use for its KL term, mapped to the fused kernel's mode.
-KL_LOSSES: dict[str, str] = {"topk_residual_kl": "topk", "full_kl": "full"}
-
-
-def get_loss(name: str) -> LossFn:
-    """Look up a loss by name; raises ValueError listing the known names."""
-    try:
-        return LOSSES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown loss {name!r}; known losses: {', '.join(sorted(LOSSES))}") from None
-
-
 # --------------------------------------------------------------------------------------
-# Weighted, normalised training loss
+# Named terms: the registry the training objective picks from (distill.loss.terms)
 # --------------------------------------------------------------------------------------
 
 
-def distill_loss(
+class LossInputs(NamedTuple):
+    """One micro-batch as every term sees it (`prepare_inputs`: checked and flattened).
+
+    student     [N, V]  any float dtype; gradients flow here only
+    teacher     [N, V]  any float dtype, detached: targets only
+    labels      [N]     int64 next data token; 0 where not valid (never read there)
+    valid       [N]     bool: the positions that count (labels != ignore_index, AND the mask)
+    top_k       int     teacher tokens kept per row by the top-k KL (distill.loss.top_k)
+    chunk_size  int     rows per block of the chunked terms (distill.loss.chunk_size)
+    """
+
+    student: Tensor
+    teacher: Tensor
+    labels: Tensor
+    valid: Tensor
+    top_k: int
+    chunk_size: int
+
+
+def prepare_inputs(
     student_logits: Tensor,
     teacher_logits: Tensor,
     labels: Tensor,
     *,
     mask: Tensor | None = None,
     top_k: int = 64,
-    ce_weight: float = 0.1,
-    kl_weight: float = 0.9,
     chunk_size: int = 1024,
-    num_tokens_global: int | Tensor | None = None,
-    kl_loss: str = "topk_residual_kl",
     ignore_index: int = IGNORE_INDEX,
-) -> dict[str, Tensor]:
-    """loss = (ce_weight * CE_sum + kl_weight * KL_sum) / num_tokens_global.
-
-    student_logits [N, V], teacher_logits [N, V], labels [N] (ignore_index = skip),
-    mask [N] bool optional. CE and KL are computed in ONE fused chunked pass (the student's
-    logsumexp is shared), with kl_loss in {"topk_residual_kl", "full_kl"}.
-
-    num_tokens_global: the number of valid tokens summed over all data-parallel ranks (and
-    all micro-batches of the optimizer step); None means the local count (single process).
-    It is clamped to >= 1 so an all-padding batch gives loss 0 (still attached to the graph).
-
-    Returns a dict of 0-dim tensors:
-        loss                   fp32, differentiable: the weighted, normalised scalar
-        ce, kl                 detached, each sum / num_tokens_global (unweighted)
-        residual_mass_teacher  detached, sum of T_res / num_tokens_global
-        residual_mass_student  detached, sum of S_res / num_tokens_global
-        num_tokens             int64, LOCAL valid-token count (all-reduce SUM it for the global)
-        ce_sum, kl_sum         detached local sums, for callers that re-normalise
-    Every normalised value uses the same denominator, so an all-reduce SUM across ranks of any
-    logged value gives its global per-token mean.
-    """
-    if kl_loss not in KL_LOSSES:
-        raise ValueError(f"kl_loss must be one of {', '.join(sorted(KL_LOSSES))}, got {kl_loss!r}")
+) -> LossInputs:
+    """`LossInputs` from logits [..., V] (student, teacher) and labels [...]; ValueError naming what is wrong."""
     _check_positive_int("top_k", top_k)
     _check_positive_int("chunk_size", chunk_size)
-    for name, w in (("ce_weight", ce_weight), ("kl_weight", kl_weight)):
-        if not isinstance(w, (int, float)) or isinstance(w, bool) or not w >= 0:
-            raise ValueError(f"{name} must be a non-negative number, got {w!r}")
-
     student, teacher, safe_labels, valid = _prepare(
         student_logits, teacher_logits, labels, mask, ignore_index, need_labels=True, need_teacher=True
     )
-    total = _fused_sums(
-        student, teacher, safe_labels, valid,
-        kl_mode=KL_LOSSES[kl_loss], top_k=top_k, want_ce=True, chunk_size=chunk_size,
-    )
-    count = valid.sum()
+    return LossInputs(student, teacher, safe_labels, valid, top_k, chunk_size)
 
-    if num_tokens_global is None:
-        denom = count
-    elif isinstance(num_tokens_global, Tensor):
-        if num_tokens_global.numel() != 1:
-            raise ValueError(f"num_tokens_global must be a scalar, got shape {tuple(num_tokens_global.shape)}")
-        denom = num_tokens_global.reshape(()).to(student.device)
-    else:
-        if isinstance(num_tokens_global, bool) or not isinstance(num_tokens_global, int) or num_tokens_global < 0:
-            raise ValueError(f"num_tokens_global must be a non-negative int, got {num_tokens_global!r}")
-        denom = torch.tensor(num_tokens_global, device=student.device)
-    denom = denom.to(torch.float32).clamp(min=1.0)
 
-    ce_sum, kl_sum = total[0], total[1]
-    loss = (ce_weight * ce_sum + kl_weight * kl_sum) / denom
-    return {
-        "loss": loss,
-        "ce": (ce_sum / denom).detach(),
-        "kl": (kl_sum / denom).detach(),
-        "residual_mass_teacher": (total[2] / denom).detach(),
-        "residual_mass_student": (total[3] / denom).detach(),
-        "num_tokens": count,
-        "ce_sum": ce_sum.detach(),
-        "kl_sum": kl_sum.detach(),
-    }
+class TermGroup(NamedTuple):
+    """Terms computed together in one call: fn(inputs, wanted) -> {name: [] fp32 sum over the valid rows} for the
+    requested `wanted` (a subset of `names`), plus detached sums it reports beside them (e.g. residual masses).
+    `memory(wanted, rows, vocab, device_type, top_k, chunk_size)` estimates the bytes it keeps (the planner); None: 0."""
+
+    names: tuple[str, ...]
+    fn: Callable[[LossInputs, frozenset], dict]
+    memory: Callable[..., dict] | None = None
+
+
+# term name -> the group that computes it. One-term groups come from `register_term`.
+TERMS: dict[str, TermGroup] = {}
+
+
+def register_terms(*names: str, memory: Callable[..., dict] | None = None):
+    """Decorator: register fn(inputs: LossInputs, names: frozenset[str]) -> {name: sum} under every one of `names`
+    (terms that share one pass over the logits: asked for together, it is called once)."""
+
+    def add(fn):
+        for name in names:
+            if not name.isidentifier() or name in TERMS:
+                raise ValueError(f"loss term name {name!r} is {'taken' if name in TERMS else 'not an identifier'}")
+        group = TermGroup(tuple(names), fn, memory)
+        TERMS.update(dict.fromkeys(names, group))
+        return fn
+
+    return add
+
+
+def register_term(name: str):
+    """Decorator: register a loss term fn(inputs: LossInputs) -> [] fp32 SUM over the rows of inputs.valid (never a
+    mean: the objective divides by the global token count). Then `distill.loss.terms.<name>=<weight>` trains on it and
+    the trainer logs it as `<name>` (train) and `eval/<name>` (held out)."""
+
+    def add(fn):
+        register_terms(name)(lambda inputs, names: {name: fn(inputs)})
+        return fn
+
+    return add
+
+
+def compute_terms(inputs: LossInputs, names) -> dict[str, Tensor]:
+    """{name: sum} for every term of `names`, each group called once, plus what the groups report beside them."""
+    out: dict[str, Tensor] = {}
+    for group in dict.fromkeys(get_term(name) for name in names):
+        wanted = frozenset(name for name in names if name in group.names)
+        out.update(group.fn(inputs, wanted))
+    return out
+
+
+def get_term(name: str) -> TermGroup:
+    """The group computing term `name`; ValueError listing the known names."""
+    try:
+        return TERMS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown loss term {name!r}; known terms: {', '.join(sorted(TERMS))}") from None
+
+
+_KL_TERMS = (("kl", "topk"), ("full_kl", "full"))  # term name -> the fused kernel's KL mode
+
+
+def _fused_memory_bytes(names, rows: int, vocab: int, device_type: str, top_k: int, chunk_size: int) -> dict:
+    """What `ce_and_kl` holds besides the logits and their gradient: the fp32 scratch block(s) [block rows, V] (two
+    for the full KL) and the per-row statistics kept for backward (the top-k indices and probabilities, logsumexps,
+    residuals)."""
+    block = min(_block_rows(torch.device(device_type), vocab, chunk_size), rows)
+    topk = "kl" in names and top_k < vocab  # else the kernel runs the full KL (k >= V: no residual bucket)
+    blocks = 2 if "full_kl" in names or ("kl" in names and not topk) else 1
+    stats = rows * (6 * 4 + (top_k * 12 if topk else 0))
+    return {"loss_scratch": blocks * block * vocab * 4, "loss_row_statistics": stats}
+
+
+@register_terms("ce", "kl", "full_kl", memory=_fused_memory_bytes)
+def ce_and_kl(inputs: LossInputs, names: frozenset) -> dict[str, Tensor]:
+    """CE on the data tokens and KL(teacher || student) in ONE fused pass over the logits (the student's logsumexp is
+    shared; see the module docstring for its memory).
+
+        ce       sum of -log S[label]
+        kl       top-k + residual KL: the teacher's inputs.top_k tokens plus one residual bucket (`topk_residual_kl`);
+                 also reports the residual masses, sums of T_res and S_res (detached)
+        full_kl  the dense KL over the whole vocabulary (`full_kl`; a baseline: a second pass when asked with kl)
+    """
+    x, out = inputs, {}
+    modes = [mode for name, mode in _KL_TERMS if name in names] or ["none"]
+    for i, mode in enumerate(modes):
+        want_ce = "ce" in names and i == 0
+        ce, kl, t_res, s_res = _fused_sums(x.student, x.teacher, x.labels, x.valid, kl_mode=mode, top_k=x.top_k,
+                                           want_ce=want_ce, chunk_size=x.chunk_size)
+        if want_ce:
+            out["ce"] = ce
+        if mode == "topk":
+            out.update(kl=kl, residual_mass_teacher=t_res.detach(), residual_mass_student=s_res.detach())
+        elif mode == "full":
+            out["full_kl"] = kl
+    return out

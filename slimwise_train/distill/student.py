@@ -47,7 +47,10 @@ Shapes: T tokens (batch*seq flattened), H hidden, E routed experts, I shared-exp
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import get_args
 
 import torch
@@ -56,7 +59,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from slimwise_train.config import DistillConfig, NormScope, Recompute, SharedExpertMode, TrainableConfig
-from slimwise_train.distill.lora import StudentLora, lora_from_config, resolve_lora
+from slimwise_train.distill.lora import (ADAPTER_FORMAT, ADAPTER_NAME, ALWAYS_ON_FILE, INFO_FILE, KEEP_SET_FILE,
+                                         PEFT_PREFIX, StudentLora, lora_from_config, resolve_lora)
 from slimwise_train.moe.adapters import NATIVE_SLOT_FAMILIES, MoEAdapter, MoELayer, get_adapter
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.utils.distributed import full_shape
@@ -495,3 +499,74 @@ class DistillModel(nn.Module):
         for wrapped in self._recomputed:
             wrapped.remove()
         self._recomputed.clear()
+
+
+# --------------------------------------------------------------------------- co-located serving of an adapter folder
+# The folder lora.export_adapter writes, loaded back as a DistillModel; here rather than in lora.py because it builds
+# the student (lora.py is below this module: the student wraps its LoRA layers).
+
+
+def load_adapter_student(model: nn.Module, folder: str | os.PathLike):
+    """The DistillModel of an adapter folder rebuilt on `model` (a stock copy of the teacher), weights loaded."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    info_path = folder / INFO_FILE
+    if not info_path.is_file():
+        raise ValueError(f"{folder} is not a slimwise adapter folder (no {INFO_FILE}; export_adapter writes one)")
+    info = json.loads(info_path.read_text())
+    if info.get("format") != ADAPTER_FORMAT:
+        raise ValueError(f"{info_path}: format {info.get('format')!r}, expected {ADAPTER_FORMAT!r}")
+    student = DistillModel(model, KeepSet.load(folder / KEEP_SET_FILE), StudentSpec(**info["spec"]))
+    state = {}
+    for key, tensor in load_file(str(folder / "adapter_model.safetensors")).items():
+        module, _, leaf = key.removeprefix(PEFT_PREFIX).rpartition(".")  # ...lora_A.weight -> ...lora_A.default.weight
+        state[f"model.{module}.{ADAPTER_NAME}.{leaf}"] = tensor
+    if (folder / ALWAYS_ON_FILE).is_file():
+        state.update(load_file(str(folder / ALWAYS_ON_FILE)))
+    params = dict(student.trainable_named_parameters())
+    if set(params) != set(state):
+        missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+        raise ValueError(f"{folder} does not fit this model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[name])
+            param.requires_grad_(False)  # serving
+    return student
+
+
+class ColocatedStudent:
+    """One model, both phases: prefill = the stock model (LoRA off, all experts, stock routers and norms); decode =
+    the distilled student (LoRA on, removed experts masked, trained deltas and shared experts on).
+
+    `PhaseMasking` decides the phase of each forward (explicit `phase("prefill"|"decode")`, or `set_phase("auto")`:
+    one new token per sequence on a non-empty cache is decode), and the student follows it, so `model.generate`,
+    `handoff.continue_on_cache(..., phase="decode")` and `masking.model_phase` work unchanged."""
+
+    def __init__(self, student, phase: str = "prefill"):
+        from slimwise_train.moe.masking import PhaseMasking
+
+        self.student = student
+        self.model = student.model
+        self.masking = PhaseMasking(self.model, student.keep_set, adapter=student.adapter, phase=phase)
+        # Registered after PhaseMasking's own pre-hook, so it reads the phase that one resolved for this forward.
+        self._handle = self.model.register_forward_pre_hook(self._follow)
+
+    def _follow(self, module, args):
+        self.student.phase = "student" if self.masking.masking_active else "teacher"
+
+    def set_phase(self, phase: str) -> None:
+        self.masking.set_phase(phase)
+
+    def phase(self, phase: str):
+        return self.masking.phase(phase)
+
+    def remove(self) -> None:
+        self._handle.remove()
+        self.masking.remove()
+        self.student.phase = "teacher"
+
+
+def load_colocated(model: nn.Module, folder: str | os.PathLike, phase: str = "prefill") -> ColocatedStudent:
+    """Co-located serving of an `export_adapter` folder on `model` (the stock teacher, modified in place)."""
+    return ColocatedStudent(load_adapter_student(model, folder), phase=phase)

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import time
 from pathlib import Path
 
@@ -40,10 +39,10 @@ from slimwise_train.config import (TrainAppConfig, check_data_config, check_dist
 from slimwise_train.distill import batches as B
 from slimwise_train.distill.checkpoint import (complete_checkpoints, gather_objects, load_checkpoint, resolve_resume,
                                                save_checkpoint)
-from slimwise_train.distill.engine import build_engine, partitioned_loading, validate_engine_config
+from slimwise_train.distill.engine import Engine, build_engine, partitioned_loading, validate_engine_config
 from slimwise_train.distill.lora import lora_from_config, preset_name
-from slimwise_train.distill.losses import KL_LOSSES, distill_loss
-from slimwise_train.distill.metrics import LOGGERS, build_sink
+from slimwise_train.distill.metrics import build_sink
+from slimwise_train.distill.objective import Objective, check_loss_config
 from slimwise_train.distill.student import DistillModel, StudentSpec
 from slimwise_train.moe.handoff import cache_layer_kinds, copy_cache, make_cache_autograd_safe, positions_from_mask
 from slimwise_train.moe.keepset import KeepSet
@@ -62,8 +61,8 @@ class NonFiniteLossError(RuntimeError):
 
 def validate_train_config(cfg) -> None:
     """Everything the config alone can show wrong, before anything is created or loaded (the first thing `setup`
-    does): unknown keys, values no run can use (distill.lr <= 0, zero steps, negative weights, ...), a data source
-    that is neither a recipe, a local file or folder nor a hub id."""
+    does): unknown keys, values no run can use (distill.lr <= 0, zero steps, an unknown loss term or a negative weight,
+    ...), a data source that is neither a recipe, a local file or folder nor a hub id."""
     from slimwise_train.data.loading import check_source
 
     check_known_keys(cfg, TrainAppConfig)
@@ -71,16 +70,13 @@ def validate_train_config(cfg) -> None:
         raise ValueError("model.device_map is for prune/eval (one model over a node's GPUs); training partitions the "
                          "model with engine=zero3: drop model.device_map")
     d = cfg.distill
-    if d.kl_loss not in KL_LOSSES:
-        raise ValueError(f"unknown distill.kl_loss {d.kl_loss!r}; use one of {', '.join(KL_LOSSES)}")
+    check_loss_config(d.loss)  # an unknown term names the known ones
     check_distill_config(d)
     check_data_config(cfg.data, "data")
     check_source(cfg.data.source, "data")
     if not cfg.prune.keep_set:  # the keep set is scored now, on the calibration data
         check_data_config(cfg.calibration, "calibration")
         check_source(cfg.calibration.source, "calibration")
-    if cfg.logger.name not in LOGGERS:
-        raise ValueError(f"unknown logger {cfg.logger.name!r}; use one of {', '.join(LOGGERS)}")
     validate_engine_config(cfg.engine, d)
     B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
     lora_from_config(d.trainable)  # a bad distill.trainable preset or override fails before the model loads
@@ -94,16 +90,37 @@ def _digest(tensors) -> str:
     return h.hexdigest()
 
 
+class StepHooks:
+    """The points where a test injects a fault into a run (slimwise_train/testing/faults.py); here they do nothing."""
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss in step `step` (0-based), before the finiteness check and backward."""
+        return loss
+
+    def before_checkpoint_publish(self, step: int):
+        """Called (rank 0) once checkpoint `step`'s files are written, before its folder is published; None: nothing."""
+        return None
+
+    def after_step(self, step: int) -> None:
+        """After `step` steps are done (metrics, eval and checkpoint of that step included)."""
+
+
 class Trainer:
-    def __init__(self, cfg):
+    def __init__(self, cfg, hooks: StepHooks | None = None):
         self.cfg = cfg
+        if hooks is None and cfg.get("extra"):  # faults named on the command line (+extra.kill_after_step=5, ...)
+            from slimwise_train.testing.faults import FaultHooks
+
+            hooks = FaultHooks.from_config(cfg.extra)
+        self.hooks = hooks or StepHooks()
+        self.objective: Objective | None = None  # distill.loss, built once the config is validated
         self.output_dir = Path(cfg.output_dir)
         self.step = 0
         self.nan_streak = 0
         self.nan_skipped = 0
         self.tokens_seen = 0
         self.last_eval: dict | None = None  # the latest held-out loss (eval/loss, eval/ce, eval/kl, eval/tokens)
-        self.engine = None
+        self.engine: Engine | None = None
         self.sink = None
         self.claim = contextlib.ExitStack()
         self.loading = None
@@ -117,6 +134,7 @@ class Trainer:
 
         cfg = self.cfg
         validate_train_config(cfg)
+        self.objective = Objective.from_config(cfg.distill.loss)
         # prune.keep_set: the file, its family, exportability, the weights it was scored on and the run folder's own
         # keep set are checked now, before the folder is claimed and the model loads.
         self.requested_keep_set = self._precheck_keep_set()
@@ -174,12 +192,11 @@ class Trainer:
         if len(self.eval_seqs) < self.world_size:
             raise ValueError(f"{len(self.eval_seqs)} held-out sequences for {self.world_size} ranks; raise "
                              "distill.eval_samples")
-        self.micro_batch = int(cfg.data.batch_size)
-        self.grad_accum = int(cfg.distill.grad_accum)
-        self.global_batch = self.world_size * self.grad_accum * self.micro_batch
-        self.plan = B.DataPlan(self.train_seqs, self.rule, self.global_batch, data_seed=int(cfg.data.seed),
-                               split_seed=int(cfg.seed), bucket_windows=int(cfg.distill.bucket_windows),
-                               shuffle=bool(cfg.data.shuffle))
+        micro_batch = int(cfg.data.batch_size)
+        plan = B.DataPlan(self.train_seqs, self.rule, self.world_size * int(cfg.distill.grad_accum) * micro_batch,
+                          data_seed=int(cfg.data.seed), split_seed=int(cfg.seed),
+                          bucket_windows=int(cfg.distill.bucket_windows), shuffle=bool(cfg.data.shuffle))
+        self._use_plan(plan, micro_batch)
         self.data_fingerprint = hashlib.sha256(
             json.dumps([ids for ids, _ in self.train_seqs]).encode()).hexdigest()[:16]
         log.info("data: %d training sequences (%d too short to split, skipped), %d eval; global batch %d = %d rank(s) "
@@ -210,6 +227,31 @@ class Trainer:
         du.barrier()
         self.setup_seconds = time.perf_counter() - self.t_setup
         return self
+
+    @classmethod
+    def from_components(cls, cfg, *, student: DistillModel, engine: Engine, plan: B.DataPlan, tokenizer,
+                        device: torch.device | str, micro_batch: int, rank: int = 0, world_size: int = 1,
+                        hooks: StepHooks | None = None) -> "Trainer":
+        """A trainer over parts built elsewhere, ready for `train_step` (no files, no logger, no resume): the student
+        over its teacher, its engine, the data plan (its sequences, split rule and global batch), a tokenizer (only its
+        pad_token_id is read). `cfg` needs `distill` and `output_dir`. bench/train.py times the real step this way;
+        `setup()` builds the same parts from the config."""
+        trainer = cls(cfg, hooks)
+        trainer.objective = Objective.from_config(cfg.distill.loss)
+        trainer.rank, trainer.world_size, trainer.device = rank, world_size, torch.device(device)
+        trainer.student, trainer.engine, trainer.tokenizer = student, engine, tokenizer
+        trainer._use_plan(plan, micro_batch)
+        trainer.single_pass = trainer._teacher_single_pass()
+        return trainer
+
+    def _use_plan(self, plan: B.DataPlan, micro_batch: int) -> None:
+        """The data plan and the batch sizes it implies (global = world_size x grad_accum x micro_batch)."""
+        self.plan, self.rule, self.train_seqs = plan, plan.rule, plan.sequences
+        self.micro_batch, self.grad_accum = micro_batch, int(self.cfg.distill.grad_accum)
+        self.global_batch = plan.global_batch
+        if self.global_batch != self.world_size * self.grad_accum * self.micro_batch:
+            raise ValueError(f"the data plan's global batch {self.global_batch} is not world_size {self.world_size} x "
+                             f"distill.grad_accum {self.grad_accum} x micro batch {self.micro_batch}")
 
     def _load_pairs(self):
         """(train pairs, held-out pairs), disjoint. When distill.eval_split is the training split, or the source is a
@@ -260,37 +302,24 @@ class Trainer:
         return kept, too_short
 
     def _resolve_keep_set(self, model) -> KeepSet:
-        """prune.keep_set (a keep_set.json), or scored now with the prune library (what makes a ratio sweep work)."""
-        from slimwise_train.models import model_identity
-        from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
-        from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
+        """prune.keep_set (a keep_set.json), or scored now by the prune stage's own scoring (what makes a ratio sweep
+        work) on the calibration data."""
+        from slimwise_train.prune.app import score_keep_set
 
         cfg = self.cfg
-        adapter = get_adapter(model)
         if self.requested_keep_set is not None:  # prune.keep_set, loaded and checked by _precheck_keep_set
             keep_set = self.requested_keep_set
             try:
-                keep_set.check_model(model, adapter)  # structure: MoE layers, expert counts, top-k
+                keep_set.check_model(model, get_adapter(model))  # structure: MoE layers, expert counts, top-k
             except ValueError as exc:
                 raise ValueError(f"prune.keep_set={cfg.prune.keep_set}: {exc}") from None
             return keep_set
-        validate_prune_config(cfg.prune)
-        keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)  # a bad ratio fails here
-        gather = self.loading.gathered if self.loading else None
-        fingerprint = model_fingerprint(model, adapter, gather=gather)
-        prune_cfg = OmegaConf.create({"data": to_container(cfg.calibration), "prune": to_container(cfg.prune),
-                                      "progress": bool(cfg.progress)})
-        # Partitioned weights: each module gathers its own parameters around its forward (scoring is no-grad).
-        with self.loading.gathered_inference(model) if self.loading else contextlib.nullcontext():
-            stats, _, source = compute_or_load_statistics(model, self.tokenizer, prune_cfg, fingerprint,
-                                                          data_key="calibration")
-        du.barrier()  # rank 0 has written the statistics cache: the next sweep job sees it on every rank
-        meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
-                "model": model_identity(cfg.model), "statistics": source}
-        keep_set = keep_set_from_scores(model, get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio,
-                                        cfg.prune.scope, adapter=adapter, meta=meta)
+        prune_cfg = OmegaConf.create({"model": to_container(cfg.model), "data": to_container(cfg.calibration),
+                                      "prune": to_container(cfg.prune), "progress": bool(cfg.progress)})
+        keep_set = score_keep_set(model, self.tokenizer, prune_cfg, data_key="calibration",
+                                  loading=self.loading).keep_set
         log.info("keep set: %s by %s at ratio %s (statistics: %s)", list(keep_set.num_kept), cfg.prune.criterion,
-                 cfg.prune.ratio, source)
+                 cfg.prune.ratio, keep_set.meta["statistics"])
         return keep_set
 
     # ------------------------------------------------------------------ keep set checks (before anything is written)
@@ -539,12 +568,6 @@ class Trainer:
                                    attention_mask=batch.full_mask, position_ids=positions_from_mask(batch.full_mask),
                                    use_cache=False, logits_to_keep=L)
 
-    def _loss(self, teacher_logits, student_logits, labels, num_tokens_global):
-        d = self.cfg.distill
-        return distill_loss(student_logits, teacher_logits, labels, top_k=int(d.top_k), ce_weight=float(d.ce_weight),
-                            kl_weight=float(d.kl_weight), chunk_size=int(d.chunk_size),
-                            num_tokens_global=num_tokens_global, kl_loss=d.kl_loss)
-
     def _all_reduce(self, values: list[float], op=None) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
         if du.is_initialized() and self.world_size > 1:
@@ -556,26 +579,21 @@ class Trainer:
         micro, fractions = self._micro_batches(step)
         local_tokens = sum(b.num_loss_tokens for b in micro)
         num_tokens_global = int(self._all_reduce([local_tokens])[0])
-        nan_steps = set(self.cfg.extra.get("nan_at_steps", []) or [])
-        sums = dict.fromkeys(("ce_sum", "kl_sum", "res_t", "res_s"), 0.0)
+        sums: dict[str, float] = {}  # every term's sum (and what the terms report beside them), over micro-batches
         stats = dict.fromkeys(("cont_tokens", "cont_slots", "prefix_tokens", "prefix_slots", "loss_tokens"), 0)
         finite = True
         for index, batch in enumerate(micro):
             batch.to(self.device)
             teacher_logits, student_logits = self._forward_pair(batch)
-            out = self._loss(teacher_logits, student_logits, batch.labels, num_tokens_global)
-            loss = out["loss"]
-            if step + 1 in nan_steps:  # test hook (extra.nan_at_steps): a loss that went non-finite
-                loss = loss * float("nan")
+            out = self.objective(student_logits, teacher_logits, batch.labels, num_tokens_global=num_tokens_global)
+            loss = self.hooks.loss(step, out.loss)
             # Every rank must agree before anyone calls backward (DDP / DeepSpeed collectives inside it).
             finite = self._all_reduce([float(torch.isfinite(loss.detach()))], torch.distributed.ReduceOp.MIN)[0] == 1.0
             if not finite:
                 break
             self.engine.backward(loss, last_micro_batch=index == len(micro) - 1)
-            for key, name in (("ce_sum", "ce_sum"), ("kl_sum", "kl_sum")):
-                sums[key] += float(out[name])
-            sums["res_t"] += float(out["residual_mass_teacher"]) * max(num_tokens_global, 1)
-            sums["res_s"] += float(out["residual_mass_student"]) * max(num_tokens_global, 1)
+            for name, value in out.sums.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
             for key, value in batch.stats().items():
                 stats[key] += value
             del teacher_logits, student_logits, out, loss
@@ -584,20 +602,16 @@ class Trainer:
             return self._skip_nan_step(step, index)
         grad_norm = self.engine.step()
         self.nan_streak = 0
-        # ---- metrics: global sums over ranks, one all-reduce
+        # ---- metrics: global sums over ranks, one all-reduce (every rank computed the same terms, in one order)
         keys = list(sums) + list(stats)
         totals = dict(zip(keys, self._all_reduce([sums[k] for k in sums] + [stats[k] for k in stats])))
         seconds = time.perf_counter() - t0
         n = max(num_tokens_global, 1)
-        d = self.cfg.distill
-        ce, kl = totals["ce_sum"] / n, totals["kl_sum"] / n
+        means = {name: totals[name] / n for name in sums}  # each term by its name (ce, kl, ...), per loss token
         self.tokens_seen += int(totals["cont_tokens"])
         return {
-            "loss": d.ce_weight * ce + d.kl_weight * kl,
-            "ce": ce,
-            "kl": kl,
-            "residual_mass_teacher": totals["res_t"] / n,
-            "residual_mass_student": totals["res_s"] / n,
+            "loss": self.objective.total(means),
+            **means,
             "grad_norm": grad_norm,
             "lr": self.engine.lr(),
             "loss_tokens": num_tokens_global,
@@ -640,27 +654,27 @@ class Trainer:
         splits = B.sample_splits(self.eval_seqs, self.rule, B.split_generator(int(self.cfg.seed), 0, stream=1))
         per_rank = min(int(self.cfg.distill.eval_batches) * self.micro_batch, len(self.eval_seqs) // self.world_size)
         mine = list(range(self.rank, len(self.eval_seqs), self.world_size))[:per_rank]
-        sums = [0.0, 0.0, 0.0]  # ce_sum, kl_sum, tokens
+        sums: dict[str, float] = {}
+        tokens = 0.0
         for start in range(0, len(mine), self.micro_batch):
             chunk = mine[start : start + self.micro_batch]
             batch = B.continuation_batch([self.eval_seqs[i] for i in chunk], [splits[i] for i in chunk],
                                          self.tokenizer.pad_token_id).to(self.device)
             teacher_logits, student_logits = self._forward_pair(batch)
-            out = self._loss(teacher_logits, student_logits, batch.labels, None)
-            sums[0] += float(out["ce_sum"])
-            sums[1] += float(out["kl_sum"])
-            sums[2] += float(out["num_tokens"])
-        ce_sum, kl_sum, tokens = self._all_reduce(sums)
+            out = self.objective(student_logits, teacher_logits, batch.labels)
+            for name, value in out.sums.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+            tokens += float(out.num_tokens)
+        *totals, tokens = self._all_reduce([*sums.values(), tokens])
         n = max(tokens, 1.0)
-        d = self.cfg.distill
-        return {"eval/loss": (d.ce_weight * ce_sum + d.kl_weight * kl_sum) / n, "eval/ce": ce_sum / n,
-                "eval/kl": kl_sum / n, "eval/tokens": tokens}
+        means = {name: total / n for name, total in zip(sums, totals)}
+        return {"eval/loss": self.objective.total(means), **{f"eval/{k}": v for k, v in means.items()},
+                "eval/tokens": tokens}
 
     # ================================================================== loop
     def train(self) -> dict:
         cfg, d = self.cfg, self.cfg.distill
         max_steps = int(d.max_steps)
-        extra = cfg.extra or {}
         self.sink.log(self.step, {"trainable_params": self.counts["trainable"],
                                   "trainable_share": self.counts["trainable"] / self.counts["total"],
                                   "num_too_short": self.num_too_short})
@@ -672,6 +686,7 @@ class Trainer:
         step_seconds: list[float] = []  # completed (not skipped) steps of this run
         window_fractions: list[float] = []
         window_losses: list[dict] = []  # the steps since the last console line
+        losses = ["loss", *self.objective.terms]  # what the history and the console show: the loss and each term
         # a context: an error mid-training ends the bar's line first, so the one error line stands on its own
         with tqdm(total=max_steps, initial=self.step, desc="distill", unit="step", dynamic_ncols=True,
                   disable=not (cfg.progress and du.is_rank0())) as bar:
@@ -684,7 +699,7 @@ class Trainer:
                 window_fractions += metrics.pop("_split_fractions", [])
                 if "step_seconds" in metrics:
                     step_seconds.append(metrics["step_seconds"])
-                history.append({"step": self.step, **{k: v for k, v in metrics.items() if k in ("loss", "kl", "ce")}})
+                history.append({"step": self.step, **{k: metrics[k] for k in losses if k in metrics}})
                 if "loss" in metrics:
                     window_losses.append(metrics)
                 if self.step % int(d.log_every) == 0 or self.step == max_steps or self.step == first_step + 1:
@@ -694,21 +709,19 @@ class Trainer:
                         # One step's loss swings by orders of magnitude with its continuation lengths (a step of 21
                         # loss tokens read 2.6e-6): the console shows the mean since the last line; metrics.jsonl
                         # keeps every step.
-                        mean = {k: sum(m[k] for m in window_losses) / len(window_losses) for k in ("loss", "ce", "kl")}
-                        log.info("step %d/%d train loss %.5f (ce %.4f kl %.5f; mean of %d steps) grad %.3g lr %.3g "
-                                 "pad %.2f %.0f tok/s", self.step, max_steps, mean["loss"], mean["ce"], mean["kl"],
+                        mean = {k: sum(m[k] for m in window_losses) / len(window_losses) for k in losses}
+                        log.info("step %d/%d train loss %.5f (%s; mean of %d steps) grad %.3g lr %.3g pad %.2f %.0f "
+                                 "tok/s", self.step, max_steps, mean["loss"], _terms_text(mean, losses[1:]),
                                  len(window_losses), metrics.get("grad_norm", float("nan")), metrics["lr"],
                                  metrics["student_pad_share"], metrics["cont_tokens_per_s"])
                         window_losses = []
                 if self.step % int(d.eval_every) == 0 or self.step == max_steps:
                     self._log_eval()
                 if self.step % int(d.save_every) == 0 or self.step == max_steps:
-                    kill_in_save = extra.get("kill_in_checkpoint_at_step")
-                    hook = _kill_self if kill_in_save == self.step else None
+                    hook = self.hooks.before_checkpoint_publish(self.step) if du.is_rank0() else None
                     save_checkpoint(self.checkpoint_root, self.step, self.engine, self._trainer_state(),
-                                    int(d.keep_checkpoints), before_rename=hook if du.is_rank0() else None)
-                if extra.get("kill_after_step") == self.step:  # test hook: die like a preempted job
-                    _kill_self()
+                                    int(d.keep_checkpoints), before_rename=hook)
+                self.hooks.after_step(self.step)
         train_seconds = time.perf_counter() - t_train
         return self._finish(history, train_seconds, first_step, step_seconds)
 
@@ -716,8 +729,9 @@ class Trainer:
         self.last_eval = self.evaluate()
         self.sink.log(self.step, self.last_eval)
         if "eval/loss" in self.last_eval:
-            log.info("step %d held-out loss %.5f (ce %.4f kl %.5f)", self.step, self.last_eval["eval/loss"],
-                     self.last_eval.get("eval/ce", float("nan")), self.last_eval.get("eval/kl", float("nan")))
+            means = {name: self.last_eval[f"eval/{name}"] for name in self.objective.terms}
+            log.info("step %d held-out loss %.5f (%s)", self.step, self.last_eval["eval/loss"],
+                     _terms_text(means, self.objective.terms))
 
     def _finish(self, history, train_seconds: float, first_step: int, step_seconds: list[float]) -> dict:
         if self.last_eval is None:  # resumed from the final checkpoint: no step ran, so measure the end state once
@@ -846,13 +860,14 @@ def _keep_set_difference(recorded: KeepSet, requested: KeepSet) -> str:
     return "another keep set"
 
 
-def _kill_self(*_args) -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+def _terms_text(values: dict, names) -> str:
+    """`ce 0.1234 kl 0.004567`: each term's value by name, for the console."""
+    return " ".join(f"{name} {values[name]:.4g}" for name in names)
 
 
-def run_train(cfg) -> dict:
-    """The whole training job; returns the summary. Importable for tests and notebooks."""
-    trainer = Trainer(cfg)
+def run_train(cfg, hooks: StepHooks | None = None) -> dict:
+    """The whole training job; returns the summary. Importable for tests and notebooks (`hooks`: a test's faults)."""
+    trainer = Trainer(cfg, hooks)
     try:
         trainer.setup()
         return trainer.train()

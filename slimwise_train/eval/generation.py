@@ -20,14 +20,22 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from slimwise_train.eval.metrics import METRIC_DEFINITIONS, decode_output, score_run, summarize
+# Problem and Generation, the per-problem records, are defined in eval/metrics.py (which scores them); importable
+# from here too.
+from slimwise_train.eval.metrics import (  # noqa: F401
+    METRIC_DEFINITIONS,
+    Generation,
+    Problem,
+    decode_output,
+    score_run,
+    summarize,
+)
 from slimwise_train.eval.modes import (  # defined in eval/modes.py (no torch there); imported from here too
     KEEP_SET_MODES,
     MODE_DESCRIPTIONS,
@@ -61,13 +69,10 @@ def missing_for_modes(modes: Sequence[str], has_keep_sets: bool, has_student: bo
 
 
 def check_modes_run(modes: Sequence[str], has_keep_sets: bool, has_student: bool) -> None:
-    """Refuse unknown or no eval.modes, and a list of which no mode can run (eval.modes=[slimwise_distill] without
+    """Refuse no eval.modes, and a list of which no mode can run (eval.modes=[slimwise_distill] without
     eval.student, eval.modes=[conventional] without eval.keep_sets): one line naming eval.modes and the missing keys.
     Modes that cannot run beside one that can are skipped with a note (`evaluate`): the default list runs only full
-    when no keep set is given."""
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown eval.modes {unknown}; use some of {list(MODES)}")
+    when no keep set is given. An unknown mode is refused before, by the schema (EvalConfig.modes: check_known_keys)."""
     if not modes:
         raise ValueError(f"eval.modes is empty; use some of {list(MODES)}")
     missing = missing_for_modes(modes, has_keep_sets, has_student)
@@ -84,15 +89,6 @@ def check_modes_run(modes: Sequence[str], has_keep_sets: bool, has_student: bool
 
 
 # ----------------------------------------------------------------------------------------------- problems
-@dataclass(frozen=True)
-class Problem:
-    family: str
-    prompt: str  # suite prompt without the separator
-    answer: str  # reference answer (for lengths only; correctness uses `synthetic.check`)
-    prompt_ids: tuple[int, ...]  # tokens of prompt + SEP
-    reference_length: int  # reference answer tokens + EOS
-
-
 def build_problems(
     tokenizer,
     families: Sequence[str],
@@ -151,17 +147,6 @@ def family_budgets(problems: Sequence[Problem], budget: int | Mapping[str, int] 
 
 
 # ----------------------------------------------------------------------------------------------- generation
-@dataclass(frozen=True)
-class Generation:
-    tokens: tuple[int, ...]  # generated tokens incl. EOS (nothing after it)
-    ended: bool  # EOS produced within the budget
-    first_token: int
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-
 def plan_batches(problems: Sequence[Problem], batch_size: int) -> list[list[int]]:
     """Problem indices in batches: per family (one budget per batch), sorted by prompt length (stable)."""
     if batch_size < 1:

@@ -31,10 +31,33 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
-if TYPE_CHECKING:  # type hints only: no import at run time, so generation can import this module
-    from slimwise_train.eval.generation import Generation, Problem
+# ----------------------------------------------------------------------------------------------- records
+# The per-problem records the metrics read, defined here (generation builds them and imports this module; importable
+# from slimwise_train.eval.generation too).
+
+
+@dataclass(frozen=True)
+class Problem:
+    family: str
+    prompt: str  # suite prompt without the separator
+    answer: str  # reference answer (for lengths only; correctness uses `synthetic.check`)
+    prompt_ids: tuple[int, ...]  # tokens of prompt + SEP
+    reference_length: int  # reference answer tokens + EOS
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: tuple[int, ...]  # generated tokens incl. EOS (nothing after it)
+    ended: bool  # EOS produced within the budget
+    first_token: int
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
 
 COLLAPSE_FRACTION = 0.5
 METRICS = ("n", "accuracy", "median_length", "p90_length", "max_length", "mean_length", "hit_budget", "collapse",

@@ -4,7 +4,11 @@ plots, and lm-eval's `slimwise` model (under the names in LM_EVAL_NAMES) all rea
 
 from __future__ import annotations
 
-MODES = ("full", "conventional", "slimwise", "reverse", "conventional_distill", "slimwise_distill")
+from typing import get_args
+
+from slimwise_train.config import EvalMode
+
+MODES = get_args(EvalMode)  # eval.modes' choices, in report order: the Literal of the schema's EvalConfig.modes
 # mode -> (prefill phase, decode phase) of the masked model (a plain model such as the student ignores phases).
 MODE_PHASES = {
     "full": ("prefill", "prefill"),

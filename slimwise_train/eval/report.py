@@ -1,5 +1,5 @@
 """Reports of an evaluation's results dict: the markdown tables (one per keep set) and the W&B table rows; the
-figures are in `slimwise_train.eval.plots` (`plot_lengths` is importable from here too)."""
+figures are in `slimwise_train.eval.plots`."""
 
 from __future__ import annotations
 
@@ -120,13 +120,6 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
 
 def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "keep_set"
-
-
-def plot_lengths(results: dict, keep_set: str | None, path: str | Path) -> None:
-    """Output-length CDFs per family (`slimwise_train.eval.plots.plot_lengths`, kept importable from here)."""
-    from slimwise_train.eval.plots import plot_lengths as plot
-
-    plot(results, keep_set, path)
 
 
 SUMMARY_METRICS = ("accuracy", "median_length", "p90_length", "hit_budget")

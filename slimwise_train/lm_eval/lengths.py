@@ -228,7 +228,8 @@ def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
 
 def write_report(folder: str | Path) -> Path:
     """slimwise_report.md and the length CDFs of every run in `folder`."""
-    from slimwise_train.eval.report import plot_lengths, render_markdown, safe_name
+    from slimwise_train.eval.plots import plot_lengths
+    from slimwise_train.eval.report import render_markdown, safe_name
     from slimwise_train.utils.atomic import write_text_atomic
 
     folder = Path(folder)

@@ -73,7 +73,8 @@ def fitting_alternatives(cfg) -> list[str]:
 register_configs()
 
 
-@hydra_app(CONF_DIR, "plan", "slimwise_train.plan", set_threads=False, schema=PlanAppConfig)
+@hydra_app(CONF_DIR, "plan", "slimwise_train.plan", set_threads=False, schema=PlanAppConfig,
+           check=check_known_keys)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

@@ -39,16 +39,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slimwise_train.config import ZERO_STAGE
+from slimwise_train.distill.objective import loss_memory_bytes
 from slimwise_train.plan.architecture import Architecture, LayerShape, describe
 from slimwise_train.utils.hf import text_config
 
 GIB = 1 << 30
 MIB = 1 << 20
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-ZERO_STAGE = {"torch": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements); the engine does not set it
-LOSS_TOPK_ROW_BYTES = 12  # per kept teacher token per row: int64 index + fp32 probability
-CPU_LOSS_BLOCK_ELEMENTS = 1 << 20  # distill/losses.py: on CPU a block holds ~1M fp32 elements
 LINEAR_CHUNK = 64  # the gated delta rule's chunk (transformers' torch implementation)
 
 # Calibration on CPU (fp32, gloo, 2 ranks) against the bench's per-rank RSS; see docs/planning.md.
@@ -279,18 +278,16 @@ def kv_cache_bytes(arch: Architecture, shape: Shape, s: int) -> int:
     return total
 
 
-def logits_bytes(arch: Architecture, shape: Shape, s: int, device: str, chunk_size: int, top_k: int) -> dict:
+def logits_bytes(arch: Architecture, shape: Shape, s: int, device: str, loss_cfg) -> dict:
     """Teacher targets + student logits + the gradient of the student's (allocated in the loss's backward while both
     are alive), [B, L, V] each in the compute dtype; Gemma 4's final soft-capping keeps one more (its tanh output).
-    The loss walks rows through one fp32 [rows, V] block (chunk_size rows on GPU, ~1M elements on CPU) and keeps
-    per-row statistics (the teacher's top-k indices and probabilities, logsumexps)."""
+    The rest is the objective's own estimate for the terms of `loss_cfg` (distill.loss; distill/objective.py): the
+    fused CE + KL walks rows through one fp32 [rows, V] block (chunk_size rows on GPU, ~1M elements on CPU; two for
+    the full KL) and keeps per-row statistics (the teacher's top-k indices and probabilities, logsumexps)."""
     N, V = shape.batch * shape.continuation, arch.vocab
     per = N * V * s
     tensors = 3 + (1 if arch.final_logit_softcapping else 0)
-    rows = max(1, min(chunk_size, CPU_LOSS_BLOCK_ELEMENTS // V)) if device == "cpu" else chunk_size
-    scratch = min(rows, N) * V * 4
-    stats = N * (top_k * LOSS_TOPK_ROW_BYTES + 6 * 4)
-    return {"logits": tensors * per, "loss_scratch": scratch, "loss_row_statistics": stats}
+    return {"logits": tensors * per, **loss_memory_bytes(loss_cfg, N, V, device)}
 
 
 def optimizer_bytes(trainable: int, engine: str, world: int, s: int, device: str) -> dict:
@@ -356,16 +353,16 @@ def _positive_number(value) -> bool:
 def validate_plan_config(cfg) -> None:
     """Every value of conf/plan.yaml the config alone shows wrong, in one line naming the key and the valid range:
     run first by `plan_from_config`, before the architecture is read or the meta model is built. The model's own
-    limit (data.seq_len <= max_position_embeddings) is checked next, from its config alone (`check_seq_len`)."""
-    from slimwise_train.config import check_distill_config
+    limit (data.seq_len <= max_position_embeddings) is checked next, from its config alone (`check_seq_len`). The
+    closed choices (engine.name, distill.recompute, device, ...) are the schema's Literal fields: check_known_keys."""
+    from slimwise_train.config import PlanAppConfig, check_distill_config, check_known_keys
     from slimwise_train.distill.batches import SplitRule
     from slimwise_train.distill.engine import validate_engine_config
+    from slimwise_train.distill.objective import check_loss_config
     from slimwise_train.prune.criteria import validate_prune_config
 
+    check_known_keys(cfg, PlanAppConfig)
     resolve_dtype(cfg)
-    engine = str(cfg.engine.name)
-    if engine not in ZERO_STAGE:
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ZERO_STAGE)}")
     validate_engine_config(cfg.engine, cfg.distill)
     world = _integer(cfg.world_size)
     if world is None or world < 1:
@@ -378,10 +375,8 @@ def validate_plan_config(cfg) -> None:
     if baseline is not None and not (_positive_number(baseline) or baseline == 0):
         raise ValueError(f"baseline_mib={baseline} is invalid: the framework's baseline per rank is a finite number "
                          ">= 0 (MiB), or null for the calibrated default")
-    recompute = str(cfg.distill.recompute)
-    if recompute not in ("none", "moe", "layer"):
-        raise ValueError(f"unknown distill.recompute {recompute!r}; use none, moe or layer")
     check_distill_config(cfg.distill)
+    check_loss_config(cfg.distill.loss)
     rule = SplitRule(int(cfg.distill.min_split), int(cfg.distill.min_continuation))  # names distill.min_*
     batch = _integer(cfg.data.batch_size)
     if batch is None or batch < 1:
@@ -440,9 +435,7 @@ def resolve_shape(cfg) -> Shape:
 
 
 def resolve_dtype(cfg) -> tuple[str, torch.dtype]:
-    device = str(cfg.device)
-    if device not in ("cuda", "cpu"):
-        raise ValueError(f"device={device}: the planner plans for cuda (bf16) or cpu (fp32)")
+    device = str(cfg.device)  # cuda | cpu: a Literal field (PlanAppConfig.device)
     precision = str(cfg.engine.precision)
     if precision == "auto":
         precision = "bf16" if device == "cuda" else "fp32"
@@ -453,22 +446,18 @@ def resolve_dtype(cfg) -> tuple[str, torch.dtype]:
 
 def plan_memory(arch: Architecture, cfg, shape: Shape, device: str, dtype: torch.dtype) -> Plan:
     s = DTYPE_BYTES[dtype]
-    engine = str(cfg.engine.name)
-    if engine not in ZERO_STAGE:
-        raise ValueError(f"unknown engine {engine!r}; use one of {', '.join(ZERO_STAGE)}")
+    engine = str(cfg.engine.name)  # validated by validate_plan_config (the schema's Literal fields)
     world = int(cfg.world_size)
     if world < 1:
         raise ValueError(f"world_size must be >= 1, got {world}")
     recompute = str(cfg.distill.recompute)
-    if recompute not in ("none", "moe", "layer"):
-        raise ValueError(f"unknown distill.recompute {recompute!r}; use none, moe or layer")
     stage = ZERO_STAGE[engine]
     frozen = arch.frozen_params * s
     opt = optimizer_bytes(arch.trainable_params, engine, world, s, device)
     if cfg.engine.get("offload_optimizer"):  # fp32 master, moments and gradient partition in host memory
         opt = {"params": opt["params"], "grads": int(opt["grads"] - arch.trainable_params / world * 4),
                "adam_master_and_moments": 0}
-    logits = logits_bytes(arch, shape, s, device, int(cfg.distill.chunk_size), int(cfg.distill.top_k))
+    logits = logits_bytes(arch, shape, s, device, cfg.distill.loss)
     acts = activation_bytes(arch, shape, s, recompute, device)
     components = {
         "frozen_weights": frozen / world if stage == 3 else frozen,

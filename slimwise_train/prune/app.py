@@ -16,9 +16,11 @@ criteria calibrates once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -41,29 +43,57 @@ def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run_prune(cfg) -> dict:
-    """The whole prune job; returns the summary. Importable for tests and notebooks."""
-    from slimwise_train.models import load_model, model_identity
+class Scored(NamedTuple):
+    """What `score_keep_set` computed: the keep set (its meta included), the statistics, their metadata and the
+    model's fingerprint (what the prune app writes beside the keep set)."""
+
+    keep_set: Any
+    stats: Any
+    stats_meta: dict
+    fingerprint: dict
+
+
+def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=None) -> Scored:
+    """The prune stage's scoring, the one sequence the prune app and the trainer (prune.keep_set=null) both run: the
+    ratio checked against the model before any calibration, the weight fingerprint, the statistics (a scores file, the
+    cache or a calibration on `cfg.data`), the criterion's [L, E] scores, `keep_set_from_scores`.
+
+    cfg: `prune`, `data` (the calibration set; `data_key` names it in errors: the trainer's is `calibration`),
+    `model` and `progress`. loading: engine=zero3's partitioned loading (`.gathered`, `.gathered_inference`), whose
+    parameters are gathered for the fingerprint and around each module's forward; None: the model is whole."""
+    from slimwise_train.models import model_identity
     from slimwise_train.moe.adapters import get_adapter
-    from slimwise_train.moe.pruning import check_exportable
     from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
     from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
+
+    validate_prune_config(cfg.prune)
+    adapter = get_adapter(model)
+    keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)  # a bad ratio fails here
+    fingerprint = model_fingerprint(model, adapter, gather=loading.gathered if loading else None)
+    with loading.gathered_inference(model) if loading else contextlib.nullcontext():
+        stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key=data_key)
+    du.barrier()  # rank 0 has written the statistics cache: a next job (a sweep) sees it on every rank
+    meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
+            "model": model_identity(cfg.model), "statistics": source}
+    keep_set = keep_set_from_scores(model, get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio,
+                                    cfg.prune.scope, adapter=adapter, meta=meta)
+    return Scored(keep_set, stats, stats_meta, fingerprint)
+
+
+def run_prune(cfg) -> dict:
+    """The whole prune job; returns the summary. Importable for tests and notebooks."""
+    from slimwise_train.models import load_model
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.pruning import check_exportable
+    from slimwise_train.prune.criteria import validate_prune_config
 
     check_known_keys(cfg, PruneAppConfig)
     validate_prune_config(cfg.prune)
     check_writable(Path(cfg.output_dir), create=False)
     model, tokenizer = load_model(cfg.model, cfg.device)
     adapter = get_adapter(model)
-    # Check the ratio against this model's expert count before any calibration work.
-    keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)
-    fingerprint = model_fingerprint(model, adapter)
-    stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint)
-    scores = get_criterion(cfg.prune.criterion)(stats)
-    meta = {
-        "criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
-        "model": model_identity(cfg.model), "statistics": source,
-    }
-    keep_set = keep_set_from_scores(model, scores, cfg.prune.ratio, cfg.prune.scope, adapter=adapter, meta=meta)
+    keep_set, stats, stats_meta, fingerprint = score_keep_set(model, tokenizer, cfg)
+    meta = keep_set.meta
     keep_set.check_model(model, adapter)
     if cfg.prune.export_checkpoint:
         check_exportable(adapter, model, keep_set)
@@ -109,7 +139,7 @@ def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta
 register_configs()
 
 
-@hydra_app(CONF_DIR, "prune", "slimwise_train.prune", schema=PruneAppConfig)
+@hydra_app(CONF_DIR, "prune", "slimwise_train.prune", schema=PruneAppConfig, check=check_known_keys)
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.prune"):

@@ -1,7 +1,7 @@
 """Saliency criteria and keep-set selection: pure functions of `ExpertStatistics`, picked by name.
 
-Shape legend: L MoE layers, E experts per layer. Every criterion maps the float64 sums of
-`slimwise_train.prune.statistics.ExpertStatistics` to [L, E] scores; higher = more worth keeping.
+Shape legend: L MoE layers, E experts per layer. Every criterion maps the float64 sums of `ExpertStatistics`
+(defined here, collected by `slimwise_train.prune.statistics`) to [L, E] scores; higher = more worth keeping.
 `select_keep` turns scores into kept indices; `keep_set_from_scores` into a model's `KeepSet` (the one function the
 prune app, the trainer and the planner use).
 """
@@ -9,20 +9,94 @@ prune app, the trainer and the planner use).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, get_args
 
 import torch
+import torch.distributed as dist
+
+from slimwise_train.config import Criterion
 
 if TYPE_CHECKING:
-    from slimwise_train.prune.statistics import ExpertStatistics
+    from slimwise_train.moe.stats import RoutingRecord
+
+
+# --------------------------------------------------------------------------- the statistics the criteria read
+
+# The float64 sums (legend: slimwise_train.prune.statistics, which collects them, saves and loads them; defined here,
+# below it, so that the criteria and the scores files need no import cycle).
+SUM_FIELDS = ("frequency", "mass_all", "mass_routed", "gate_sum", "ean_sum", "reap_sum")
+
+
+@dataclass
+class ExpertStatistics:
+    layer_indices: tuple[int, ...]
+    num_experts: int
+    top_k: int
+    num_tokens: torch.Tensor  # [L] float64
+    frequency: torch.Tensor
+    mass_all: torch.Tensor
+    mass_routed: torch.Tensor
+    gate_sum: torch.Tensor
+    ean_sum: torch.Tensor
+    reap_sum: torch.Tensor
+
+    @classmethod
+    def empty(cls, layer_indices, num_experts: int, top_k: int) -> "ExpertStatistics":
+        n = len(layer_indices)
+        zeros = lambda: torch.zeros(n, num_experts, dtype=torch.float64)  # noqa: E731
+        return cls(tuple(layer_indices), num_experts, top_k, torch.zeros(n, dtype=torch.float64),
+                   *(zeros() for _ in SUM_FIELDS))
+
+    def update(self, record: RoutingRecord) -> None:
+        """Add one layer's routing for one batch (padding excluded via `record.token_mask`)."""
+        row = self.layer_indices.index(record.layer_index)
+        index, weight, norm, probs = record.top_k_index, record.top_k_weight, record.output_norm, record.probs
+        if record.token_mask is not None:
+            keep = record.token_mask.to(index.device).bool()
+            index, weight, norm, probs = index[keep], weight[keep], norm[keep], probs[keep]
+        index = index.reshape(-1).cpu()
+        weight = weight.reshape(-1).double().cpu()
+        norm = norm.reshape(-1).double().cpu()
+        probs = probs.double().cpu()
+        routed_probs = probs.gather(1, index.view(probs.shape[0], self.top_k))
+        self.num_tokens[row] += probs.shape[0]
+        self.frequency[row].index_add_(0, index, torch.ones_like(weight))
+        self.mass_all[row] += probs.sum(0)
+        self.mass_routed[row].index_add_(0, index, routed_probs.reshape(-1))
+        self.gate_sum[row].index_add_(0, index, weight)
+        self.ean_sum[row].index_add_(0, index, norm)
+        self.reap_sum[row].index_add_(0, index, weight * norm)
+
+    def all_reduce(self) -> None:
+        """Sum the statistics of every rank (each scored its own shard of the calibration set)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return
+        packed = torch.cat([self.num_tokens.view(-1, 1)] + [getattr(self, f) for f in SUM_FIELDS], dim=1)
+        # gloo and NCCL both reduce float64; a fixed packing keeps one collective per call.
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
+        self.num_tokens = packed[:, 0].clone()
+        for i, name in enumerate(SUM_FIELDS):
+            setattr(self, name, packed[:, 1 + i * self.num_experts : 1 + (i + 1) * self.num_experts].clone())
+
+    # ------------------------------------------------------------------ IO
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"stats.{name}": getattr(self, name).contiguous() for name in SUM_FIELDS}
+        out["stats.num_tokens"] = self.num_tokens.contiguous()
+        return out
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict) -> "ExpertStatistics":
+        return cls(
+            tuple(meta["layer_indices"]), int(meta["num_experts"]), int(meta["top_k"]), tensors["stats.num_tokens"],
+            *(tensors[f"stats.{name}"] for name in SUM_FIELDS),
+        )
 
 
 def validate_prune_config(prune_cfg) -> None:
+    """prune.ratio's range; prune.criterion and prune.scope are the schema's Literal fields (check_known_keys)."""
     if not 0.0 < float(prune_cfg.ratio) < 1.0:
         raise ValueError(f"prune.ratio must be in (0, 1), got {prune_cfg.ratio}; e.g. prune.ratio=0.5 removes half")
-    get_criterion(prune_cfg.criterion)
-    if prune_cfg.scope not in ("layer", "global"):
-        raise ValueError(f"unknown prune.scope {prune_cfg.scope!r}; use layer or global")
 
 
 
@@ -65,13 +139,9 @@ def reap(stats: ExpertStatistics) -> torch.Tensor:
     return torch.where(stats.frequency > 0, stats.reap_sum / stats.frequency.clamp(min=1), torch.zeros_like(stats.reap_sum))
 
 
-CRITERIA: dict[str, Callable[[ExpertStatistics], torch.Tensor]] = {
-    "frequency": frequency,
-    "mass": routing_mass,
-    "mass_routed": routing_mass_routed,
-    "ean": ean,
-    "reap": reap,
-}
+# By the names of config.Criterion (prune.criterion's choices), in its order: the one list of criterion names.
+CRITERIA: dict[str, Callable[[ExpertStatistics], torch.Tensor]] = dict(
+    zip(get_args(Criterion), (frequency, routing_mass, routing_mass_routed, ean, reap), strict=True))
 
 
 def get_criterion(name: str) -> Callable[[ExpertStatistics], torch.Tensor]:

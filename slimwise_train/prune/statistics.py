@@ -16,7 +16,8 @@ where p_j is the router probability over all experts (softmax of the logits; sig
 DeepSeek-V3; Gemma 4's router output), g_j the model's own routing weight after its normalisation and
 scaling (what multiplies f_j in the forward), and f_j the expert's unweighted output.
 
-Criteria (slimwise_train.prune.criteria) are pure functions of those sums, registered by name.
+Criteria (slimwise_train.prune.criteria) are pure functions of those sums, registered by name; `ExpertStatistics`
+itself is defined there (below this module, which writes every criterion's scores) and importable from here.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import contextlib
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
@@ -34,81 +34,16 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from slimwise_train.config import to_container
-from slimwise_train.moe.stats import RoutingRecord
-from slimwise_train.prune.criteria import CRITERIA
+# ExpertStatistics and SUM_FIELDS live in criteria (the lower module: the criteria are functions of it); importable
+# from here as before.
+from slimwise_train.prune.criteria import CRITERIA, SUM_FIELDS, ExpertStatistics  # noqa: F401
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import atomic_path
 from slimwise_train.utils.hf import text_config
 
 log = logging.getLogger("slimwise.prune")
 
-SUM_FIELDS = ("frequency", "mass_all", "mass_routed", "gate_sum", "ean_sum", "reap_sum")
 STATS_FORMAT = "slimwise-expert-stats/1"
-
-
-@dataclass
-class ExpertStatistics:
-    layer_indices: tuple[int, ...]
-    num_experts: int
-    top_k: int
-    num_tokens: torch.Tensor  # [L] float64
-    frequency: torch.Tensor
-    mass_all: torch.Tensor
-    mass_routed: torch.Tensor
-    gate_sum: torch.Tensor
-    ean_sum: torch.Tensor
-    reap_sum: torch.Tensor
-
-    @classmethod
-    def empty(cls, layer_indices, num_experts: int, top_k: int) -> "ExpertStatistics":
-        n = len(layer_indices)
-        zeros = lambda: torch.zeros(n, num_experts, dtype=torch.float64)  # noqa: E731
-        return cls(tuple(layer_indices), num_experts, top_k, torch.zeros(n, dtype=torch.float64),
-                   *(zeros() for _ in SUM_FIELDS))
-
-    def update(self, record: RoutingRecord) -> None:
-        """Add one layer's routing for one batch (padding excluded via `record.token_mask`)."""
-        row = self.layer_indices.index(record.layer_index)
-        index, weight, norm, probs = record.top_k_index, record.top_k_weight, record.output_norm, record.probs
-        if record.token_mask is not None:
-            keep = record.token_mask.to(index.device).bool()
-            index, weight, norm, probs = index[keep], weight[keep], norm[keep], probs[keep]
-        index = index.reshape(-1).cpu()
-        weight = weight.reshape(-1).double().cpu()
-        norm = norm.reshape(-1).double().cpu()
-        probs = probs.double().cpu()
-        routed_probs = probs.gather(1, index.view(probs.shape[0], self.top_k))
-        self.num_tokens[row] += probs.shape[0]
-        self.frequency[row].index_add_(0, index, torch.ones_like(weight))
-        self.mass_all[row] += probs.sum(0)
-        self.mass_routed[row].index_add_(0, index, routed_probs.reshape(-1))
-        self.gate_sum[row].index_add_(0, index, weight)
-        self.ean_sum[row].index_add_(0, index, norm)
-        self.reap_sum[row].index_add_(0, index, weight * norm)
-
-    def all_reduce(self) -> None:
-        """Sum the statistics of every rank (each scored its own shard of the calibration set)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return
-        packed = torch.cat([self.num_tokens.view(-1, 1)] + [getattr(self, f) for f in SUM_FIELDS], dim=1)
-        # gloo and NCCL both reduce float64; a fixed packing keeps one collective per call.
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM)
-        self.num_tokens = packed[:, 0].clone()
-        for i, name in enumerate(SUM_FIELDS):
-            setattr(self, name, packed[:, 1 + i * self.num_experts : 1 + (i + 1) * self.num_experts].clone())
-
-    # ------------------------------------------------------------------ IO
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f"stats.{name}": getattr(self, name).contiguous() for name in SUM_FIELDS}
-        out["stats.num_tokens"] = self.num_tokens.contiguous()
-        return out
-
-    @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor], meta: dict) -> "ExpertStatistics":
-        return cls(
-            tuple(meta["layer_indices"]), int(meta["num_experts"]), int(meta["top_k"]), tensors["stats.num_tokens"],
-            *(tensors[f"stats.{name}"] for name in SUM_FIELDS),
-        )
 
 
 # --------------------------------------------------------------------------- scores files

@@ -132,12 +132,16 @@ def _override_variants(overrides: list[str]) -> list[list[str]]:
     return variants
 
 
-def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir: str):
+def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir: str,
+                     check: Callable | None = None, schema: type | None = None):
     """Compose the app's config the way @hydra.main will; a bad override is one line and exit 2, before Hydra
-    creates the output folder. Returns the config of the first variant (with its hydra node), or None where the
-    pre-check cannot stand in for Hydra (help and config flags)."""
+    creates the output folder. With `check`, every variant (without its hydra node) is also passed to
+    `check(cfg, schema)` (the apps: config.check_known_keys, which refuses an unknown key or a value outside a Literal
+    field's choices such as engine.name=zero4 with a ValueError). Returns the config of the first variant (with its
+    hydra node), or None where the pre-check cannot stand in for Hydra (help and config flags)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
+    from omegaconf import open_dict
     from omegaconf.errors import OmegaConfBaseException
 
     try:
@@ -147,9 +151,15 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir
             for variant in variants:
                 cfg = compose(config_name, overrides=variant, return_hydra_config=True)
                 first = first if first is not None else cfg
+                if check is not None:
+                    body = cfg.copy()
+                    with open_dict(body):
+                        body.pop("hydra", None)
+                    check(body, schema)
         return first
-    except (HydraException, OmegaConfBaseException) as exc:
-        line = f"{prog}: error: {_one_line(exc)}"
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        plain = isinstance(exc, ValueError) and not isinstance(exc, (HydraException, OmegaConfBaseException))
+        line = f"{prog}: error: {exc if plain else _one_line(exc)}"  # check_known_keys' own line, or Hydra's
         if int(os.environ.get("RANK", "0")) == 0:
             print(line, file=sys.stderr)
         _report_to_torchrun(line)
@@ -231,7 +241,7 @@ def _print_help(task: Callable, conf_dir: str, config_name: str, prog: str, sche
 
 
 def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = True,
-              schema: type | None = None) -> Callable[[Callable], Callable[[], None]]:
+              schema: type | None = None, check: Callable | None = None) -> Callable[[Callable], Callable[[], None]]:
     """`@hydra.main` for the slimwise apps, with what each of them needs before and around the job:
 
     - the overrides are composed first, so a bad one (an unknown preset, `world_size=abc`) is one line and exit 2
@@ -242,7 +252,9 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
       computes nothing and its `json_only` output must stay one line);
     - `-h` / `--help` print the app's own help (groups with their presets, every key with its value and the
       description from `schema`, the typed app config; default: the composed config's own type), exit 0;
-      `--hydra-help` is Hydra's."""
+      `--hydra-help` is Hydra's;
+    - `check(cfg, schema)` (the apps: config.check_known_keys) runs on every composed variant before anything is
+      created: a value outside a Literal field's choices is one line and exit 2, and no folder."""
     import functools
 
     import hydra
@@ -277,7 +289,8 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
             if any(arg.split("=", 1)[0] in _NOT_A_RUN for arg in args):
                 return run_hydra()
             multirun = any(arg in ("-m", "--multirun") for arg in args)
-            cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")], conf_dir)
+            cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")], conf_dir,
+                                   check, schema)
             if multirun or cfg is None:
                 return run_hydra()
             from omegaconf import OmegaConf

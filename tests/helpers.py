@@ -1,0 +1,62 @@
+"""What many test files need, written once: an app's config composed as its entry point would, the override lists of
+the tiny fast runs, and the environment and module names of a CLI child process.
+
+Plain functions and constants, not fixtures, so that module-scoped fixtures and module-level helpers can use them
+too: `from helpers import compose_config, TINY_TRAIN` (pytest's default import mode puts tests/ on sys.path, as for
+the `from test_lora import ...` between test modules).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from slimwise_train.config import CONF_DIR, register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+
+# `python -m <module>` of each app
+APPS = {"prune": "slimwise_train.prune", "train": "slimwise_train", "eval": "slimwise_train.eval",
+        "plan": "slimwise_train.plan"}
+
+# A CLI child: unbuffered (its last lines reach the test), one OpenMP thread (2-core CI), never the network.
+CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+# --------------------------------------------------------------------------- override lists of the tiny runs
+
+# Every tiny training run: the tiny Qwen3-MoE on the offline synthetic data (experiment=tiny_smoke), no logger.
+TINY_TRAIN = ("experiment=tiny_smoke", "logger=none")
+# A learning rate at which the held-out loss visibly falls within a dozen steps.
+FAST_LR = ("distill.lr=2e-2", "distill.warmup_steps=2")
+# The trainer tests' short real run (tests/test_trainer.py's SMALL): fresh run, fast lr, 2 eval batches, every step
+# logged. `train_cfg` composes it.
+FAST_TRAIN = (*TINY_TRAIN, "resume=never", *FAST_LR, "distill.eval_batches=2", "distill.log_every=1")
+
+
+def train_steps(max_steps: int, *, save_every: int | None = None, eval_every: int | None = None,
+                log_every: int | None = 1) -> list[str]:
+    """distill.max_steps with a checkpoint and a held-out eval every `save_every` / `eval_every` steps (default: at
+    the last step only) and a metrics record every `log_every` steps (None: the config's default)."""
+    out = [f"distill.max_steps={max_steps}", f"distill.eval_every={eval_every or max_steps}",
+           f"distill.save_every={save_every or max_steps}"]
+    return out + ([f"distill.log_every={log_every}"] if log_every is not None else [])
+
+
+# --------------------------------------------------------------------------- composing a config
+
+
+def compose_config(app: str, *overrides: str, **kwargs) -> DictConfig:
+    """The config of `app` ("prune", "train", "eval", "plan": conf/<app>.yaml) with `overrides`, composed as the app's
+    entry point composes it (the typed schemas registered). `kwargs` go to hydra's `compose`
+    (e.g. return_hydra_config=True)."""
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(config_name=app, overrides=list(overrides), **kwargs)
+
+
+def train_cfg(output_dir, *overrides: str) -> DictConfig:
+    """The trainer tests' short real run (FAST_TRAIN) writing to `output_dir`, with `overrides` last."""
+    return compose_config("train", *FAST_TRAIN, f"output_dir={output_dir}", *overrides)
