@@ -37,8 +37,6 @@ Recompute = Literal["none", "moe", "layer"]
 # teacher = the full model (the SlimWise setting: full prefill, pruned decode) | student = the student itself, with
 # gradients through its prefill (the conventional + distill setting: the pruned student serves both phases).
 PrefixFrom = Literal["teacher", "student"]
-# prune.criterion: the scores of prune/criteria.py (its CRITERIA registry is built from this list, in this order).
-Criterion = Literal["frequency", "mass", "mass_routed", "ean", "reap"]
 # prune.scope: layer = the same count per layer | global = one ranking over all layers, >= top_k kept per layer.
 PruneScope = Literal["layer", "global"]
 # engine.name: torch (single process / DDP) | zero1 | zero2 | zero3 (DeepSpeed); the ZeRO stage is its position.
@@ -103,7 +101,9 @@ class DataConfig:
 
 @dataclass
 class PruneConfig:
-    criterion: Annotated[str, Criterion] = "reap"  # frequency | mass | mass_routed | ean | reap
+    # a name in prune/criteria.py's CRITERIA (frequency | mass | mass_routed | ean | reap), checked before anything
+    # loads; the registry is the one list, so a new criterion is one function there
+    criterion: str = "reap"
     ratio: float = 0.5  # share of routed experts removed per layer (0, 1)
     scope: Annotated[str, PruneScope] = "layer"  # layer: same count per layer | global: one ranking, >= top_k per layer
     keep_set: Optional[str] = None  # trainer/eval: an existing keep_set.json instead of scoring

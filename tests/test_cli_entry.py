@@ -76,6 +76,7 @@ def test_an_output_folder_that_cannot_be_created_is_named(tmp_path):
 @pytest.mark.parametrize("app, bad", [
     ("prune", "prune.ratio=2"),
     ("train", "distill.loss.terms.kl=-1"),
+    ("train", "prune.criterion=magic"),  # scored at start (prune.keep_set=null): refused before the model loads
     ("eval", "eval.num_per_family=0"),
     ("plan", "gpu_memory_gib=0"),
 ])

@@ -98,12 +98,22 @@ def test_the_zero_stage_is_derived_from_the_engine_name_only():
 
 
 def test_registries_are_read_from_the_schema_literals():
-    from slimwise_train.config import Criterion, EvalMode, EvalConfig
+    from slimwise_train.config import EvalMode, EvalConfig
     from slimwise_train.eval.modes import MODES
-    from slimwise_train.prune.criteria import CRITERIA
 
-    assert tuple(CRITERIA) == get_args(Criterion)
     assert MODES == get_args(EvalMode) and tuple(EvalConfig().modes) == MODES
+
+
+def test_the_criterion_registry_is_the_one_list_of_criteria():
+    """A new criterion is one function and one entry in prune/criteria.py's CRITERIA: the schema holds no copy of the
+    names, and a name outside the registry is refused in one line naming the key and every registered name."""
+    from slimwise_train.config import PruneConfig
+    from slimwise_train.prune.criteria import CRITERIA, validate_prune_config
+
+    assert PruneConfig.__annotations__["criterion"] in (str, "str")
+    with pytest.raises(ValueError) as info:
+        validate_prune_config(OmegaConf.structured(PruneConfig(criterion="magic")))
+    assert str(info.value) == f"prune.criterion='magic' is not one of: {', '.join(CRITERIA)}"
 
 
 @pytest.mark.parametrize("app,override,line", [

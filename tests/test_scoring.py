@@ -146,7 +146,7 @@ def test_ratio_leaving_fewer_than_top_k():
 
 
 def test_unknown_criterion():
-    with pytest.raises(ValueError, match="unknown criterion 'nope'; choose one of: frequency, mass"):
+    with pytest.raises(ValueError, match="prune.criterion='nope' is not one of: frequency, mass"):
         get_criterion("nope")
 
 

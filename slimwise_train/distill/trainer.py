@@ -64,6 +64,7 @@ def validate_train_config(cfg) -> None:
     does): unknown keys, values no run can use (distill.lr <= 0, zero steps, an unknown loss term or a negative weight,
     ...), a data source that is neither a recipe, a local file or folder nor a hub id."""
     from slimwise_train.data.loading import check_source
+    from slimwise_train.prune.criteria import validate_prune_config
 
     check_known_keys(cfg, TrainAppConfig)
     if cfg.model.get("device_map"):
@@ -75,6 +76,7 @@ def validate_train_config(cfg) -> None:
     check_data_config(cfg.data, "data")
     check_source(cfg.data.source, "data")
     if not cfg.prune.keep_set:  # the keep set is scored now, on the calibration data
+        validate_prune_config(cfg.prune)
         check_data_config(cfg.calibration, "calibration")
         check_source(cfg.calibration.source, "calibration")
     validate_engine_config(cfg.engine, d)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, get_args
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
-from slimwise_train.config import Criterion
 
 if TYPE_CHECKING:
     from slimwise_train.moe.stats import RoutingRecord
@@ -94,9 +93,11 @@ class ExpertStatistics:
 
 
 def validate_prune_config(prune_cfg) -> None:
-    """prune.ratio's range; prune.criterion and prune.scope are the schema's Literal fields (check_known_keys)."""
+    """prune.ratio's range and prune.criterion (a name in CRITERIA); prune.scope is the schema's Literal field
+    (check_known_keys)."""
     if not 0.0 < float(prune_cfg.ratio) < 1.0:
         raise ValueError(f"prune.ratio must be in (0, 1), got {prune_cfg.ratio}; e.g. prune.ratio=0.5 removes half")
+    get_criterion(prune_cfg.criterion)
 
 
 
@@ -139,14 +140,14 @@ def reap(stats: ExpertStatistics) -> torch.Tensor:
     return torch.where(stats.frequency > 0, stats.reap_sum / stats.frequency.clamp(min=1), torch.zeros_like(stats.reap_sum))
 
 
-# By the names of config.Criterion (prune.criterion's choices), in its order: the one list of criterion names.
-CRITERIA: dict[str, Callable[[ExpertStatistics], torch.Tensor]] = dict(
-    zip(get_args(Criterion), (frequency, routing_mass, routing_mass_routed, ean, reap), strict=True))
+# prune.criterion's choices: the one list of criterion names (a new criterion is a function above and an entry here).
+CRITERIA: dict[str, Callable[[ExpertStatistics], torch.Tensor]] = {
+    "frequency": frequency, "mass": routing_mass, "mass_routed": routing_mass_routed, "ean": ean, "reap": reap}
 
 
-def get_criterion(name: str) -> Callable[[ExpertStatistics], torch.Tensor]:
+def get_criterion(name: str, key: str = "prune.criterion") -> Callable[[ExpertStatistics], torch.Tensor]:
     if name not in CRITERIA:
-        raise ValueError(f"unknown criterion {name!r}; choose one of: {', '.join(CRITERIA)}")
+        raise ValueError(f"{key}={name!r} is not one of: {', '.join(CRITERIA)}")
     return CRITERIA[name]
 
 
