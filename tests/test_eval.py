@@ -285,7 +285,7 @@ def test_length_plot_has_a_legend_on_every_panel_and_separates_equal_lines(setup
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    from slimwise_train.eval.report import plot_lengths
+    from slimwise_train.eval.plots import plot_lengths
 
     captured = {}
     monkeypatch.setattr(plt, "close", lambda fig: captured.setdefault("fig", fig))
@@ -505,7 +505,8 @@ def test_conventional_distill_needs_a_student_and_is_reported(setup, distill_mod
 
     from slimwise_train.eval.generation import (MODE_DESCRIPTIONS, MODES, check_modes_run, evaluate,
                                                 missing_for_modes)
-    from slimwise_train.eval.report import plot_lengths, render_markdown
+    from slimwise_train.eval.plots import plot_lengths
+    from slimwise_train.eval.report import render_markdown
 
     assert missing_for_modes(["conventional_distill"], False, False) == {
         "conventional_distill": ("eval.keep_sets", "eval.student")}

@@ -221,12 +221,8 @@ def test_family_scanner_catches_the_old_branches():
 # or type-only import still ties the two modules together (each must know the other), and "import it inside the
 # function" is how a cycle is hidden until an import order trips over it. Edges are between modules: `from pkg import
 # name` is an edge to pkg.name when that is a module, else to pkg (its __init__). The fix is to move the shared piece
-# into the lower module (as was done for distill/lora <-> distill/student, eval/generation <-> eval/metrics and
-# prune/criteria <-> prune/statistics), never to hide the import.
-#
-# Cycles through files this change did not own, to be broken by their owners (remove the entry with the fix; the test
-# fails on an entry that is no longer a cycle): report.plot_lengths re-exports plots.plot_lengths, which imports
-# report; bench/cli.py imports the package for its docstring while bench/__init__.py imports cli.
+# into the lower module (as was done for distill/lora <-> distill/student, eval/generation <-> eval/metrics,
+# prune/criteria <-> prune/statistics, eval/plots <-> eval/report and bench <-> bench/cli), never to hide the import.
 
 
 def _all_modules() -> dict[str, Path]:

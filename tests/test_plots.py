@@ -111,10 +111,12 @@ def test_length_cdf_without_references_and_unknown_modes(tmp_path, capture):
     assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == len(lines) == len(MODES)
 
 
-def test_plot_lengths_is_still_importable_from_report(tmp_path):
-    from slimwise_train.eval.report import plot_lengths
+def test_the_length_plot_has_one_home(tmp_path):
+    """plot_lengths is defined in eval/plots.py only: report.py re-exporting it made an import cycle."""
+    import slimwise_train.eval.report as report
 
-    plot_lengths(_results(), "k", tmp_path / "lengths.png")
+    assert not hasattr(report, "plot_lengths")
+    plots.plot_lengths(_results(), "k", tmp_path / "lengths.png")
     _png(tmp_path / "lengths.png")
 
 
