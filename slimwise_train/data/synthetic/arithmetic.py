@@ -42,6 +42,21 @@ def _math_answer(first: int, ops: Sequence[tuple[str, int]]) -> tuple[str, int]:
     return ";".join(parts), total
 
 
+def _draw_operation(rng: random.Random, total: int, max_value: int, cand: list[str], weights: dict[str, float],
+                    max_multiplier: int) -> tuple[str, int]:
+    """The next (op, operand) of a chain at `total`, among the operations `cand` that keep it in [0, max_value]:
+    the math and steps families' one rule (the order of the rng calls is part of the suite's streams)."""
+    # lean towards + when the total is low and - when it is high (keeps operands varied)
+    frac = total / max_value
+    lean = {"+": 2.0 * (1.0 - frac) + 0.1, "-": 2.0 * frac + 0.1, "*": 1.0}
+    op = rng.choices(cand, weights=[weights.get(c, 1.0) * lean[c] for c in cand])[0]
+    if op == "+":
+        return op, _operand(rng, max_value - total)
+    if op == "-":
+        return op, _operand(rng, total)
+    return op, rng.randint(2, max(2, min(max_multiplier, max_value // total)))
+
+
 def _gen_math(rng: random.Random, p: dict) -> tuple[str, str, dict]:
     max_value = int(p["max_value"])
     ops_allowed = tuple(p["ops"])
@@ -59,16 +74,7 @@ def _gen_math(rng: random.Random, p: dict) -> tuple[str, str, dict]:
             cand.append("*")
         if not cand:  # only reachable with exotic ``ops``; keep the chain valid
             cand = ["-"] if total > 0 else ["+"]
-        # lean towards + when the total is low and - when it is high (keeps operands varied)
-        frac = total / max_value
-        lean = {"+": 2.0 * (1.0 - frac) + 0.1, "-": 2.0 * frac + 0.1, "*": 1.0}
-        op = rng.choices(cand, weights=[weights.get(c, 1.0) * lean[c] for c in cand])[0]
-        if op == "+":
-            v = _operand(rng, max_value - total)
-        elif op == "-":
-            v = _operand(rng, total)
-        else:
-            v = rng.randint(2, max(2, min(int(p["max_multiplier"]), max_value // total)))
+        op, v = _draw_operation(rng, total, max_value, cand, weights, int(p["max_multiplier"]))
         ops.append((op, v))
         total = _apply_math(total, op, v)
     prompt = f"Q: {_render_math(first, ops)}="

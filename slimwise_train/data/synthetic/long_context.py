@@ -64,7 +64,7 @@ import random
 import re
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .arithmetic import _apply_math, _math_answer
+from .arithmetic import _apply_math, _draw_operation, _math_answer
 from .common import _operand
 from .programs import WORDS
 from .tools import _CITIES, _TOOL_PROMPT
@@ -433,15 +433,7 @@ def _gen_steps(rng: random.Random, p: dict) -> tuple[str, str, dict]:
     while len(ops) < n_ops:
         cand = [c for c, ok in (("+", total < max_value), ("-", total > 0),
                                 ("*", 1 <= total and total * 2 <= max_value)) if ok]
-        frac = total / max_value  # lean to + when low, - when high, as the math family does
-        lean = {"+": 2.0 * (1.0 - frac) + 0.1, "-": 2.0 * frac + 0.1, "*": 1.0}
-        op = rng.choices(cand, weights=[weights[c] * lean[c] for c in cand])[0]
-        if op == "+":
-            v = _operand(rng, max_value - total)
-        elif op == "-":
-            v = _operand(rng, total)
-        else:
-            v = rng.randint(2, max(2, min(int(p["max_multiplier"]), max_value // total)))
+        op, v = _draw_operation(rng, total, max_value, cand, weights, int(p["max_multiplier"]))
         if (op, v) in ops:  # unique operations: the next operand is the one after the last used (no ambiguity)
             continue
         ops.append((op, v))
