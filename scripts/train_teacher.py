@@ -53,6 +53,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import time
 from pathlib import Path
@@ -155,7 +156,7 @@ DEEP_PRESET = {
 }
 # Flags a resumed run takes from the command line; everything else comes from the checkpoint.
 RUN_CONTROLS = ("minutes", "steps_this_run", "threads", "checkpoint_every", "eval_every", "log_every", "resume",
-                "overwrite", "out")
+                "overwrite", "out", "extend_schedule")
 DEEP_FAMILIES = ("lookup", "toolpick", "steps", "fewshot", "math", "code", "tool")
 
 
@@ -189,6 +190,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="deep: the long-context teacher (12 layers, packed 1024-token sequences, resumable)")
     deep.add_argument("--seq-len", type=int, default=1024, help="tokens per packed training sequence")
     deep.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
+    deep.add_argument("--extend-schedule", type=int, default=None, metavar="STEPS",
+                      help="with --resume: a longer schedule, the cosine re-planned to end at STEPS (the lr steps up "
+                           "to the new curve's value at the current step); STEPS >= the checkpoint's step")
     deep.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")
     deep.add_argument("--steps-this-run", type=int, default=0,
                       help="pause (checkpoint) after this many steps; 0: no limit")
@@ -323,6 +327,11 @@ def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
     """The checkpoint's settings with this command's run controls (--minutes, --threads, ...) on top."""
     merged = dict(state["args"])
     merged.update({k: getattr(args, k) for k in RUN_CONTROLS})
+    if args.extend_schedule is not None:
+        if args.extend_schedule < state["step"]:
+            raise SystemExit(f"--extend-schedule {args.extend_schedule} is before the checkpoint's step "
+                             f"{state['step']}; pass a step count >= {state['step']}")
+        merged["max_steps"] = args.extend_schedule
     return argparse.Namespace(**merged)
 
 
@@ -352,6 +361,9 @@ def train_deep(args) -> None:
     out = Path(args.out)
     ckpt = out / "checkpoint"
     state = None
+    if args.extend_schedule is not None and not args.resume:
+        raise SystemExit("--extend-schedule lengthens a resumed run's schedule; pass --resume too, or --max-steps "
+                         "for a new run")
     if args.resume:
         state = load_checkpoint_state(ckpt)
         args = deep_args_for_resume(args, state)
@@ -410,6 +422,10 @@ def train_deep(args) -> None:
     first_step, run_tokens = step, 0
     window = {"ce": 0.0, "aux": 0.0, "n": 0}
     stop_reason = None
+    # SIGTERM / Ctrl-C: finish the step, checkpoint, exit as a pause (`--resume` continues it)
+    stop_signal: list[int] = []
+    previous_handlers = {sig: signal.signal(sig, lambda number, frame: stop_signal.append(number))
+                         for sig in (signal.SIGTERM, signal.SIGINT)}
     model.train()
     batches = packed_batches(
         tokenizer, lambda chunk: long_suite(args.examples_per_chunk, args.seed + 1000 * chunk, exclude=exclude),
@@ -463,11 +479,14 @@ def train_deep(args) -> None:
         if step >= args.max_steps:
             break
         out_of_time = time.time() - run_start >= args.minutes * 60
-        if out_of_time or (args.steps_this_run and step - first_step >= args.steps_this_run):
+        if out_of_time or stop_signal or (args.steps_this_run and step - first_step >= args.steps_this_run):
             stop_reason = "paused"
             break
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
     stop_reason = stop_reason or "finished"
-    log["runs"].append({"from_step": first_step, "to_step": step, "seconds": round(time.time() - run_start),
+    log["runs"].append({"from_step": first_step, "to_step": step, "max_steps": args.max_steps,
+                        "seconds": round(time.time() - run_start),
                         "tokens": run_tokens, "stop": stop_reason})
     save_checkpoint(ckpt, model, optimizer, current_state())
     if stop_reason == "paused":

@@ -314,6 +314,18 @@ def test_no_keep_sets_runs_only_full_with_a_note(setup, tmp_path):
     assert "no keep set (full model only)" in (out / "report.md").read_text()
 
 
+def test_long_context_families_are_the_deep_teachers_held_out_problems(setup, tmp_path):
+    """eval.families takes the long-context families (the deep teacher's): their first held-out problems of seed 0,
+    the ones scripts/train_teacher.py --preset deep keeps out of training, scored by the suite's checker."""
+    keep = setup["root"] / "r0.5" / "keep_set.json"
+    results = run_eval(_compose(tmp_path / "out", *setup["model_args"], "eval.num_per_family=2", "eval.budget=4",
+                                "eval.families=[lookup,steps]", f"eval.keep_sets=[{keep}]", "eval.modes=[full,slimwise]"))
+    assert [p["family"] for p in results["problems"]] == ["lookup", "lookup", "steps", "steps"]
+    assert [p["prompt"] for p in results["problems"]] == [
+        e.prompt for family in ("lookup", "steps") for e in synthetic.heldout(family, 2, 0)]
+    assert {(r["family"], r["mode"]) for r in results["rows"]} >= {("lookup", "full"), ("steps", "slimwise")}
+
+
 # ------------------------------------------------------------------------------------ bad input
 def _other_model_keep_set(root):
     other = tiny_model("qwen3_moe", num_hidden_layers=3)
@@ -339,6 +351,9 @@ def _different_student(root, model):
     ("unknown_mode", ValueError, r"^eval.modes=\['full', 'slimwize'\]: 'slimwize' is not one of: full, conventional, "
                                  r"slimwise, reverse, conventional_distill, slimwise_distill$"),
     ("zero_budget", ValueError, "eval.budget must be >= 1"),
+    ("unknown_family", ValueError, r"^unknown eval.families \['lookups'\]; use some of \['math', 'code', 'tool', "
+                                   r"'lookup', 'toolpick', 'steps', 'fewshot'\]$"),
+    ("no_family", ValueError, r"^eval.families is empty; use some of"),
 ])
 def test_bad_input_fails_with_one_line_and_writes_nothing(setup, tmp_path, case, error, message):
     root = setup["root"]
@@ -350,6 +365,8 @@ def test_bad_input_fails_with_one_line_and_writes_nothing(setup, tmp_path, case,
         "student_of_another_keep_set": [keep, f"eval.student={_different_student(root, setup['model'])}"],
         "unknown_mode": [keep, "eval.modes=[full,slimwize]"],
         "zero_budget": [keep, "eval.budget=0"],
+        "unknown_family": [keep, "eval.families=[math,lookups]"],
+        "no_family": [keep, "eval.families=[]"],
     }[case]
     out = tmp_path / "out"
     with pytest.raises(error, match=message) as info:

@@ -4,10 +4,13 @@ tiny model."""
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import re
+import signal
 
 import pytest
 import torch
@@ -212,6 +215,38 @@ def test_deep_preset_checkpoints_and_resumes_exactly(tmp_path, capsys, keep_thre
     assert all(torch.allclose(resumed[k], straight[k], atol=1e-6) for k in straight)
     with pytest.raises(SystemExit, match="--resume: no checkpoint"):
         T.main(["--preset", "deep", "--out", str(tmp_path / "none"), "--resume"])
+
+
+def test_deep_preset_extends_its_schedule_and_pauses_on_sigterm(tmp_path, monkeypatch, capsys, keep_threads):
+    T = _train_teacher()
+    tiny = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
+            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "4", "--warmup", "1",
+            "--examples-per-chunk", "16", "--final-eval", "1", "--heldout-exclude", "20", "--threads", "1"]
+    out = str(tmp_path / "a")
+    schedule = T.cosine_lr
+
+    def sigterm_at_step_1(args, step):  # the signal arrives mid-step: the step finishes, then the run pauses
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return schedule(args, step)
+
+    monkeypatch.setattr(T, "cosine_lr", sigterm_at_step_1)
+    T.main(tiny + ["--out", out])
+    assert "paused at step 2 of 4" in capsys.readouterr().out
+    state = json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2 and state["log"]["runs"][-1]["stop"] == "paused"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are given back
+    monkeypatch.setattr(T, "cosine_lr", schedule)
+    with pytest.raises(SystemExit, match="--extend-schedule 1 is before the checkpoint's step 2"):
+        T.main(["--preset", "deep", "--out", out, "--resume", "--extend-schedule", "1"])
+    with pytest.raises(SystemExit, match="pass --resume too"):
+        T.main(tiny + ["--out", str(tmp_path / "b"), "--extend-schedule", "8"])
+    T.main(["--preset", "deep", "--out", out, "--resume", "--extend-schedule", "8", "--steps-this-run", "1",
+            "--threads", "1"])
+    state = json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 3 and state["args"]["max_steps"] == 8 and state["log"]["runs"][-1]["max_steps"] == 8
+    old, new = argparse.Namespace(**{**state["args"], "max_steps": 4}), argparse.Namespace(**state["args"])
+    assert T.cosine_lr(new, 3) > T.cosine_lr(old, 3)  # the cosine re-planned: later in the longer schedule
 
 
 def test_deep_preset_finishes_with_an_evaluated_final_model(tmp_path, monkeypatch, keep_threads):

@@ -48,13 +48,14 @@ def keep_set_name(path: str | Path, taken: set[str]) -> str:
 
 
 def validate_eval_config(cfg) -> None:
-    from slimwise_train.eval.generation import STUDENT_MODES, check_modes_run, check_student_path
+    from slimwise_train.eval.generation import STUDENT_MODES, check_families, check_modes_run, check_student_path
 
     check_known_keys(cfg, EvalAppConfig)
     check_writable(Path(cfg.output_dir), create=False)
     ev = cfg.eval
     # unknown or empty eval.modes, or none that can run with these keep sets and student (before the model loads)
     check_modes_run(list(ev.modes), bool(ev.keep_sets), bool(ev.student))
+    check_families(list(ev.families))
     if ev.num_per_family < 1:
         raise ValueError(f"eval.num_per_family must be >= 1, got {ev.num_per_family}")
     if ev.batch_size < 1:

@@ -111,8 +111,24 @@ def build_problems(
             answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
             problems.append(Problem(family, example.prompt, example.answer, prompt_ids, len(answer_ids) + 1))
     if not problems:
-        raise ValueError(f"unknown eval.families {list(families)}; use some of {list(synthetic.FAMILIES)}")
+        raise ValueError(f"eval.families is empty; use some of {list(EVAL_FAMILIES())}")
     return problems
+
+
+def EVAL_FAMILIES() -> tuple[str, ...]:
+    """Every family the eval app can score: the suite's (math, code, tool) and the opt-in long-context ones
+    (lookup, toolpick, steps, fewshot: the deep teacher's; docs/teacher.md)."""
+    from slimwise_train.data import synthetic
+
+    return (*synthetic.FAMILIES, *synthetic.LONG_FAMILIES)
+
+
+def check_families(families: Sequence[str]) -> None:
+    """One line naming every unknown family in eval.families (before any model loads)."""
+    unknown = [f for f in families if f not in EVAL_FAMILIES()]
+    if unknown or not families:
+        what = f"unknown eval.families {unknown}" if unknown else "eval.families is empty"
+        raise ValueError(f"{what}; use some of {list(EVAL_FAMILIES())}")
 
 
 def heldout_examples(family: str, num: int, seed: int | None = None, recipe: str | Path | dict | None = None):
@@ -122,10 +138,11 @@ def heldout_examples(family: str, num: int, seed: int | None = None, recipe: str
 
     if num < 1:
         raise ValueError(f"eval.num_per_family must be >= 1, got {num}")
-    if family not in synthetic.FAMILIES:
-        raise ValueError(f"unknown eval.families [{family!r}]; use some of {list(synthetic.FAMILIES)}")
+    check_families([family])
     recipe = recipe if isinstance(recipe, dict) else synthetic.load_recipe(recipe)
     seed = int(recipe["splits"]["eval"]["seed"]) if seed is None else int(seed)
+    # The long-context families are not in the recipe (it describes the small teacher's suite): their own default
+    # parameters, the ones the deep teacher trained on, whose held-out problems it excluded (seed 0: the recipe's).
     return synthetic.heldout(family, num, seed, **synthetic.recipe_params(recipe).get(family, {}))
 
 
@@ -244,7 +261,7 @@ def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, Ke
     The one place that knows the student export format: a `from_pretrained` folder, optionally with
     `slimwise_keep_set.json` (as `pruning.export_pruned` and `distill.export.export_student` write). The default
     students are the stock class (the family's own shared slot widened, or LoRA merged into the kept experts); one
-    with a new shared expert (distill.shared_expert_mode=new) is the registered `slimwise_<model_type>`
+    with a new shared expert (distill.student.shared_expert_mode=new) is the registered `slimwise_<model_type>`
     architecture, so `slimwise_train.distill.export` is imported first. It must share the full model's vocabulary and
     layers (attention is never pruned), since slimwise_distill decodes it over the full model's cache.
     """

@@ -1,0 +1,403 @@
+"""The method's four findings, measured on both shipped teachers: writes docs/fidelity.md (issue 23).
+
+    python scripts/fidelity.py                       # both teachers, ~60 min on 2 CPU cores; docs/fidelity.md
+    FIDELITY_EVAL_N=20 FIDELITY_STEPS=20 python scripts/fidelity.py --teachers teacher --out /tmp/fid --doc /tmp/f.md
+
+The findings (the method's paper), each measured per teacher with the project's own apps (prune, distill, eval):
+  (1) at 50% pruning the training-free handoff (full prefill, pruned decode: `slimwise`) narrows the gap to the full
+      model under every criterion (routing mass, EAN, REAP): slimwise - conventional, paired per problem;
+  (2) pruning distorts output lengths while accuracy can look fine: median / p90 length and the share of outputs
+      that hit the token budget (runaway) or end below half the reference length (collapse), full vs pruned;
+  (3) distillation on the teacher's cache repairs accuracy and lengths: slimwise_distill vs slimwise (REAP 50%);
+  (4) reverse (pruned prefill, full decode) helps math more, SlimWise coding more: reverse - slimwise by family.
+Every step is one app call (its command printed, its log kept under --out); a step whose output exists is skipped,
+so an interrupted run continues where it stopped. Differences are paired per problem: mean +- standard error (std
+of the per-problem differences / sqrt(n)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CRITERIA = ("mass", "ean", "reap")  # the finding names routing mass, EAN and REAP
+RATIO = "0.5"
+DISTILL_CRITERION = "reap"
+LONG_SUITE_SEED = 4321  # the distillation / calibration rows of the deep teacher: not its training stream's seed
+TIMINGS_FILE: list[Path] = []  # <out>/timings.json, set by main
+HELDOUT_EXCLUDED = 400  # the deep teacher's held-out problems per family (scripts/train_teacher.py --heldout-exclude)
+
+TEACHERS = {
+    # the small shipped teacher (the embedded default): math / code / tool, the demo's distillation recipe
+    "teacher": {
+        "model": "teacher",
+        "families": ["math", "code", "tool"],
+        "math_like": ["math"], "code_like": ["code"],
+        "steps": 1000,
+    },
+    # the deep teacher (docs/teacher.md): long prompts, retrieval, many schemas, long working
+    "teacher_deep": {
+        "model": "teacher_deep",
+        "families": ["lookup", "toolpick", "steps", "fewshot", "math", "code", "tool"],
+        "math_like": ["math", "steps"], "code_like": ["code"],
+        "steps": 300,
+    },
+}
+
+
+def run(cmd: list[str], log: Path, timings: dict, name: str) -> None:
+    print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
+    start = time.time()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    with open(log, "w") as handle:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        tail = log.read_text().strip().splitlines()[-1:] or [""]
+        raise SystemExit(f"fidelity: failed (exit {proc.returncode}): {' '.join(cmd)}; see {log}: {tail[0]}")
+    timings[name] = round(time.time() - start)
+    print(f"  done in {timings[name]} s", flush=True)
+    # kept beside the outputs, so a continued run still reports every step's wall time
+    from slimwise_train.utils.atomic import write_text_atomic
+
+    write_text_atomic(TIMINGS_FILE[0], json.dumps(timings, indent=1) + "\n")
+
+
+def write_long_suite(path: Path, n: int) -> None:
+    """Rows for the deep teacher's calibration and distillation: the long-context suite's training stream, every
+    held-out problem the teacher excluded kept out (so the evaluated problems stay unseen by the student too)."""
+    from slimwise_train.data import synthetic
+    from slimwise_train.utils.atomic import write_text_atomic
+
+    excluded = frozenset(e.prompt for e in synthetic.long_heldout(TEACHERS["teacher_deep"]["families"],
+                                                                   HELDOUT_EXCLUDED, seed=0))
+    rows = []
+    for example in synthetic.long_suite(n, LONG_SUITE_SEED, exclude=excluded):
+        prompt, answer = synthetic.to_text(example)
+        rows.append(json.dumps({"prompt": prompt, "answer": answer, "family": example.family}))
+    write_text_atomic(path, "\n".join(rows) + "\n")
+
+
+def paired(a: list[bool], b: list[bool]) -> tuple[float, float, int]:
+    """(mean of a - b, its standard error, n) over problems paired by index."""
+    diffs = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
+    n = len(diffs)
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    return mean, math.sqrt(var / n), n
+
+
+def fmt(diff: tuple[float, float, int]) -> str:
+    return f"{diff[0]:+.3f} +- {diff[1]:.3f}"
+
+
+class Results:
+    """One eval app's results.json, indexed by (keep set, mode) and family ('all' pools the families)."""
+
+    def __init__(self, path: Path):
+        self.data = json.loads(path.read_text())
+        self.families = [p["family"] for p in self.data["problems"]]
+        self.reference = [p["reference_length"] for p in self.data["problems"]]
+        self.budget = self.data["budget"]
+
+    def run(self, keep_set: str | None, mode: str) -> dict:
+        (record,) = [r for r in self.data["runs"] if r["mode"] == mode and (mode == "full" or r["keep_set"] == keep_set)]
+        return record
+
+    def values(self, keep_set: str | None, mode: str, key: str, family: str = "all") -> list:
+        record = self.run(keep_set, mode)
+        return [v for v, f in zip(record[key], self.families, strict=True) if family in ("all", f)]
+
+    def accuracy(self, keep_set, mode, family="all") -> float:
+        correct = self.values(keep_set, mode, "correct", family)
+        return sum(correct) / len(correct)
+
+    def lengths(self, keep_set, mode, family) -> dict:
+        """median, p90 (nearest rank), share hitting the budget, share collapsed (< 0.5 x reference, ended)."""
+        length = self.values(keep_set, mode, "length", family)
+        ended = self.values(keep_set, mode, "ended", family)
+        ref = [r for r, f in zip(self.reference, self.families, strict=True) if f == family]
+        ordered = sorted(length)
+        return {"median": statistics.median(length), "p90": ordered[math.ceil(0.9 * len(ordered)) - 1],
+                "budget": sum(not e for e in ended) / len(ended),
+                "collapse": sum(e and n < 0.5 * r for n, e, r in zip(length, ended, ref, strict=True)) / len(ended)}
+
+
+def keep_name(criterion: str) -> str:
+    return f"{criterion}-r{RATIO}"
+
+
+def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, timings: dict) -> dict:
+    """Prune (3 criteria), distill (REAP), evaluate; returns the figures of the four findings for this teacher."""
+    py = sys.executable
+    out.mkdir(parents=True, exist_ok=True)
+    data_args: list[str] = []
+    if name == "teacher_deep":
+        rows = out / "long_suite.jsonl"
+        if not rows.is_file():
+            write_long_suite(rows, 4096)
+        data_args = [f"data.source={rows}", "data.seq_len=1024"]
+    keep_sets = {}
+    for criterion in CRITERIA:
+        prune_dir = out / keep_name(criterion)  # the eval app names a keep set by its folder
+        if not (prune_dir / "keep_set.json").is_file():
+            extra = ["data.num_samples=128"] if data_args else []
+            run([py, "-m", "slimwise_train.prune", f"model={spec['model']}", f"prune.criterion={criterion}",
+                 f"prune.ratio={RATIO}", *data_args, *extra, "progress=false", f"hydra.run.dir={prune_dir}"],
+                out / f"prune-{criterion}.log", timings, f"{name} prune {criterion}")
+        keep_sets[criterion] = prune_dir / "keep_set.json"
+
+    train_dir = out / f"distill-{keep_name(DISTILL_CRITERION)}"
+    if not (train_dir / "export" / "config.json").is_file():
+        if name == "teacher":  # the demo's own recipe: 2 ranks, ZeRO-2
+            cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "slimwise_train",
+                   "experiment=demo"]
+        else:
+            cmd = [py, "-m", "slimwise_train", "experiment=fidelity", *data_args]
+        run([*cmd, f"prune.keep_set={keep_sets[DISTILL_CRITERION]}", f"distill.schedule.max_steps={steps}",
+             f"output_dir={train_dir}", f"hydra.run.dir={train_dir}"], out / "distill.log", timings, f"{name} distill")
+
+    families = f"eval.families=[{','.join(spec['families'])}]"
+    common = [f"model={spec['model']}", families, f"eval.num_per_family={eval_n}", "progress=false"]
+    eval_main, eval_more = out / "eval-reap", out / "eval-mass-ean"
+    if not (eval_main / "results.json").is_file():
+        run([py, "-m", "slimwise_train.eval", *common, f"eval.keep_sets=[{keep_sets[DISTILL_CRITERION]}]",
+             f"eval.student={train_dir}", "eval.modes=[full,conventional,slimwise,reverse,slimwise_distill]",
+             f"hydra.run.dir={eval_main}"], out / "eval-reap.log", timings, f"{name} eval reap")
+    if not (eval_more / "results.json").is_file():
+        others = [keep_sets[c] for c in CRITERIA if c != DISTILL_CRITERION]
+        run([py, "-m", "slimwise_train.eval", *common, f"eval.keep_sets=[{','.join(map(str, others))}]",
+             "eval.modes=[full,conventional,slimwise]", f"hydra.run.dir={eval_more}"],
+            out / "eval-mass-ean.log", timings, f"{name} eval mass ean")
+    return {"main": Results(eval_main / "results.json"), "more": Results(eval_more / "results.json"),
+            "spec": spec, "steps": steps}
+
+
+# ----------------------------------------------------------------------------------------------- verdicts
+def significant(diff: tuple[float, float, int], sign: int = 1) -> bool:
+    """The paired difference is in the expected direction by more than two standard errors."""
+    mean, se, _ = diff
+    return sign * mean > 2 * se and sign * mean > 0
+
+
+def finding_1(m: dict) -> tuple[list[str], str]:
+    fams = m["spec"]["families"]
+    lines = ["| criterion | " + " | ".join(f"{f}: conv / SlimWise / diff" for f in fams) + " | pooled diff |",
+             "|---|" + "---|" * (len(fams) + 1)]
+    pooled_sig, any_sig, any_neg = [], False, False
+    for criterion in CRITERIA:
+        res = m["main"] if criterion == DISTILL_CRITERION else m["more"]
+        ks = keep_name(criterion)
+        cells = []
+        for f in fams + ["all"]:
+            diff = paired(res.values(ks, "slimwise", "correct", f), res.values(ks, "conventional", "correct", f))
+            any_sig |= significant(diff) and f != "all"
+            any_neg |= significant(diff, -1)
+            if f == "all":
+                pooled_sig.append(significant(diff))
+                cells.append(fmt(diff))
+            else:
+                cells.append(f"{res.accuracy(ks, 'conventional', f):.2f} / {res.accuracy(ks, 'slimwise', f):.2f} / "
+                             f"{fmt(diff)}")
+        lines.append(f"| {criterion} | " + " | ".join(cells) + " |")
+    full = m["main"]
+    lines += ["", "Full model: " + ", ".join(f"{f} {full.accuracy(None, 'full', f):.2f}" for f in fams) + "."]
+    if all(pooled_sig):
+        verdict = "reproduced: SlimWise beats conventional pruning by more than 2 SE pooled under every criterion"
+    elif any(pooled_sig) or any_sig:
+        verdict = ("partly: SlimWise beats conventional by more than 2 SE "
+                   + ("pooled under " + ", ".join(c for c, s in zip(CRITERIA, pooled_sig) if s) if any(pooled_sig)
+                      else "in some families only") + ", not under every criterion")
+    else:
+        verdict = "not reproduced: no pooled or per-family difference exceeds 2 SE"
+    if any_neg:
+        verdict += "; SlimWise is worse by more than 2 SE somewhere (see the table)"
+    return lines, verdict
+
+
+def finding_2(m: dict) -> tuple[list[str], str]:
+    res, ks = m["main"], keep_name(DISTILL_CRITERION)
+    lines = ["| family | mode | accuracy | median | p90 | hit budget | collapsed |", "|---|---|---|---|---|---|---|"]
+    distorted, fine_accuracy = [], []
+    for f in m["spec"]["families"]:
+        full = res.lengths(None, "full", f)
+        for mode in ("full", "conventional", "slimwise"):
+            st = res.lengths(ks if mode != "full" else None, mode, f)
+            acc = res.accuracy(ks if mode != "full" else None, mode, f)
+            lines.append(f"| {f} | {mode} | {acc:.2f} | {st['median']:g} | {st['p90']:g} | {st['budget']:.2f} | "
+                         f"{st['collapse']:.2f} |")
+        conv = res.lengths(ks, "conventional", f)
+        ratio = conv["median"] / max(full["median"], 1)
+        if ratio >= 1.5 or ratio <= 2 / 3 or conv["budget"] - full["budget"] >= 0.10 \
+                or conv["collapse"] - full["collapse"] >= 0.10:
+            distorted.append(f"{f} (median x{ratio:.2f}, budget {conv['budget']:.2f}, collapse {conv['collapse']:.2f})")
+            if res.accuracy(ks, "conventional", f) >= res.accuracy(None, "full", f) - 0.10:
+                fine_accuracy.append(f)
+    rule = ("Distorted: the pruned model's median length outside 2/3..1.5 x the full model's, or its budget-hit or "
+            "collapse share 0.10 above the full model's.")
+    lines += ["", rule, f"Budget per family (tokens): {res.budget}."]
+    if distorted and fine_accuracy:
+        verdict = (f"reproduced: lengths distorted under REAP 50% in {', '.join(distorted)}, with accuracy within 0.10 "
+                   f"of full in {', '.join(fine_accuracy)}")
+    elif distorted:
+        verdict = (f"partly: lengths distorted in {', '.join(distorted)}, but accuracy falls with them (more than "
+                   "0.10 below full), so the distortion is not hidden behind fine accuracy")
+    else:
+        verdict = "not reproduced: no family's lengths distorted by the rule below"
+    return lines, verdict
+
+
+def finding_3(m: dict) -> tuple[list[str], str]:
+    res, ks = m["main"], keep_name(DISTILL_CRITERION)
+    fams = m["spec"]["families"]
+    lines = ["| family | full | SlimWise | SlimWise + distill | distill - SlimWise | median full / SW / SW+d | "
+             "budget+collapse SW / SW+d |", "|---|---|---|---|---|---|---|"]
+    for f in fams + ["all"]:
+        diff = paired(res.values(ks, "slimwise_distill", "correct", f), res.values(ks, "slimwise", "correct", f))
+        row = (f"| {f} | {res.accuracy(None, 'full', f):.2f} | {res.accuracy(ks, 'slimwise', f):.2f} | "
+               f"{res.accuracy(ks, 'slimwise_distill', f):.2f} | {fmt(diff)} | ")
+        if f == "all":
+            lines.append(row + "| |")
+            pooled = diff
+        else:
+            a, b, c = (res.lengths(None, "full", f), res.lengths(ks, "slimwise", f),
+                       res.lengths(ks, "slimwise_distill", f))
+            lines.append(row + f"{a['median']:g} / {b['median']:g} / {c['median']:g} | "
+                         f"{b['budget'] + b['collapse']:.2f} / {c['budget'] + c['collapse']:.2f} |")
+    off_before = sum(abs(res.lengths(ks, "slimwise", f)["median"] - res.lengths(None, "full", f)["median"])
+                     for f in fams)
+    off_after = sum(abs(res.lengths(ks, "slimwise_distill", f)["median"] - res.lengths(None, "full", f)["median"])
+                    for f in fams)
+    lines += ["", f"Distillation: {m['steps']} steps on the teacher's cache (REAP 50%). Sum over families of |median "
+                  f"- full's median|: {off_before:g} before, {off_after:g} after."]
+    acc_ok, len_ok = significant(pooled), off_after < off_before
+    if acc_ok and len_ok:
+        verdict = f"reproduced: accuracy {fmt(pooled)} pooled and medians closer to the full model's"
+    elif acc_ok or len_ok:
+        verdict = ("partly: " + (f"accuracy {fmt(pooled)} pooled, but medians no closer to full" if acc_ok
+                                 else f"medians closer to full, but accuracy {fmt(pooled)} pooled (within 2 SE)"))
+    else:
+        verdict = f"not reproduced: accuracy {fmt(pooled)} pooled and medians no closer to full"
+    return lines, verdict
+
+
+def finding_4(m: dict) -> tuple[list[str], str]:
+    res, ks = m["main"], keep_name(DISTILL_CRITERION)
+    lines = ["| family | SlimWise | reverse | reverse - SlimWise |", "|---|---|---|---|"]
+    gaps = {}
+    for f in m["spec"]["families"]:
+        gaps[f] = paired(res.values(ks, "reverse", "correct", f), res.values(ks, "slimwise", "correct", f))
+        lines.append(f"| {f} | {res.accuracy(ks, 'slimwise', f):.2f} | {res.accuracy(ks, 'reverse', f):.2f} | "
+                     f"{fmt(gaps[f])} |")
+    math_like, code_like = m["spec"]["math_like"], m["spec"]["code_like"]
+    # the paper's claim as two tests: reverse helps math (reverse - SlimWise > 0 there) and SlimWise helps code
+    # (reverse - SlimWise < 0 there); "more" compares the two gaps, unpaired across families (SEs combined)
+    math_gap = max((gaps[f] for f in math_like), key=lambda d: d[0])
+    code_gap = gaps[code_like[0]]
+    contrast = (math_gap[0] - code_gap[0], math.hypot(math_gap[1], code_gap[1]), 0)
+    lines += ["", f"Math-like families: {', '.join(math_like)}; code: {', '.join(code_like)}. Math-like gap minus code "
+                  f"gap: {fmt(contrast)} (unpaired, SEs combined)."]
+    reverse_helps_math = significant(math_gap)
+    slimwise_helps_code = significant(code_gap, -1)
+    if reverse_helps_math and slimwise_helps_code:
+        verdict = "reproduced: reverse beats SlimWise on math-like, SlimWise beats reverse on code (each > 2 SE)"
+    elif significant(contrast):
+        verdict = ("partly: the math-like gap exceeds the code gap by more than 2 SE, but "
+                   + ("SlimWise does not beat reverse on code" if reverse_helps_math else
+                      "reverse does not beat SlimWise on math-like families"))
+    else:
+        verdict = "not reproduced: the reverse - SlimWise gap is not larger on math-like than on code"
+    return lines, verdict
+
+
+FINDINGS = (
+    ("(1) The handoff narrows the gap at 50% under every criterion",
+     "Accuracy at 50% pruning, conventional (pruned prefill + decode) vs SlimWise (full prefill, pruned decode); "
+     "diff = SlimWise - conventional, paired.", finding_1),
+    ("(2) Pruning distorts output lengths while accuracy can look fine",
+     "REAP 50%; lengths in generated tokens incl. EOS.", finding_2),
+    ("(3) Distillation on the teacher's cache repairs accuracy and lengths",
+     "REAP 50%; the student trained with the defaults (`distill.split.prefix_from=teacher`) serves as SlimWise + "
+     "distill.",
+     finding_3),
+    ("(4) Reverse helps math more, SlimWise coding more",
+     "REAP 50%; reverse = pruned prefill, full decode.", finding_4),
+)
+
+
+def render(measured: dict, eval_n: int, timings: dict) -> str:
+    date = time.strftime("%Y-%m-%d")
+    command = "python scripts/fidelity.py" + ("" if len(measured) == len(TEACHERS) else
+                                              " --teachers " + " ".join(measured))
+    lines = [f"# Does the method's evidence reproduce? ({date})", "",
+             f"Written by `{command}` in one run ({sum(timings.values()) / 60:.0f} min of app calls on this "
+             f"machine's {os.cpu_count()} CPU cores). {eval_n} held-out problems per family (the heldout stream, "
+             "seed 0, which neither teacher nor student trained on), greedy, the budget 2 x the longest reference "
+             "answer per family. `a +- b`: mean paired difference +- its standard error; a difference counts when "
+             "it exceeds 2 SE.", "", "## Verdicts", "",
+             "| finding | " + " | ".join(f"`{t}`" for t in measured) + " |", "|---|" + "---|" * len(measured)]
+    sections, verdicts = [], {}
+    for title, what, fn in FINDINGS:
+        sections += [f"## {title}", "", what, ""]
+        for teacher, m in measured.items():
+            body, verdict = fn(m)
+            verdicts[(title, teacher)] = verdict
+            sections += [f"### `{teacher}`: {verdict.split(':')[0]}", "", f"Verdict: {verdict}.", "", *body, ""]
+    for title, _, _ in FINDINGS:
+        lines.append(f"| {title} | " + " | ".join(verdicts[(title, t)].split(":")[0] for t in measured) + " |")
+    missing = [t for t in TEACHERS if t not in measured]
+    if missing:
+        lines += ["", f"Not measured in this run: {', '.join(f'`{t}`' for t in missing)} (see Teachers)."]
+    lines += ["", *sections, "## Teachers", ""]
+    for teacher, m in measured.items():
+        full = m["main"]
+        lines.append(f"- `{teacher}` (`model={m['spec']['model']}`): families {', '.join(m['spec']['families'])}; "
+                     f"full-model accuracy pooled {full.accuracy(None, 'full'):.3f}; distilled {m['steps']} steps.")
+    for teacher in missing:
+        shipped = (REPO / "slimwise_train" / "assets" / teacher / "config.json").is_file()
+        lines.append(f"- `{teacher}`: not measured in this run" + ("." if shipped else
+                     f": no shipped checkpoint at slimwise_train/assets/{teacher} yet (docs/teacher.md)."))
+    lines += ["", "Wall time per step (s): " + ", ".join(f"{k} {v}" for k, v in timings.items()) + "."
+              if timings else "", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "outputs" / "fidelity"))
+    parser.add_argument("--doc", default=str(REPO / "docs" / "fidelity.md"))
+    parser.add_argument("--teachers", nargs="+", choices=list(TEACHERS), default=list(TEACHERS))
+    args = parser.parse_args()
+    eval_n = int(os.environ.get("FIDELITY_EVAL_N", 100))
+    steps_override = os.environ.get("FIDELITY_STEPS")
+    for teacher in args.teachers:
+        path = REPO / "slimwise_train" / "assets" / teacher
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"fidelity: --teachers {teacher}: no shipped checkpoint at {path}; train it with "
+                             "`python scripts/train_teacher.py --preset deep` and copy its final/ there")
+    TIMINGS_FILE.append(Path(args.out) / "timings.json")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    timings = json.loads(TIMINGS_FILE[0].read_text()) if TIMINGS_FILE[0].is_file() else {}
+    measured = {}
+    for teacher in args.teachers:
+        spec = TEACHERS[teacher]
+        steps = int(steps_override) if steps_override else spec["steps"]
+        print(f"== {teacher}", flush=True)
+        measured[teacher] = measure_teacher(teacher, spec, Path(args.out) / teacher, eval_n, steps, timings)
+    from slimwise_train.utils.atomic import write_text_atomic
+
+    write_text_atomic(Path(args.doc), render(measured, eval_n, timings))
+    print(f"wrote {args.doc}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

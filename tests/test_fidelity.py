@@ -1,0 +1,97 @@
+"""scripts/fidelity.py's measurements and verdicts, on hand-built eval results whose answers are known (the app calls
+it makes are the prune / distill / eval apps, tested in their own files)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import pytest
+
+from slimwise_train.models import ASSETS
+
+FAMILIES = ["math", "code", "tool"]
+N = 20  # problems per family
+
+
+def _fidelity():
+    spec = importlib.util.spec_from_file_location("fidelity", ASSETS.parents[1] / "scripts" / "fidelity.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _results(path, runs: dict, lengths: dict | None = None, budget: int = 40):
+    """A results.json: `runs` maps (keep set, mode) -> {family: correct share}; lengths (keep set, mode) ->
+    {family: length} (default 10, ended)."""
+    problems = [{"family": f, "prompt": f"{f}{i}", "reference_length": 10} for f in FAMILIES for i in range(N)]
+    records = []
+    for (keep, mode), shares in runs.items():
+        correct = [i < round(shares[f] * N) for f in FAMILIES for i in range(N)]
+        length = [(lengths or {}).get((keep, mode), {}).get(f, 10) for f in FAMILIES for _ in range(N)]
+        records.append({"keep_set": keep, "mode": mode, "correct": correct, "length": length,
+                        "ended": [n < budget for n in length]})
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "results.json").write_text(json.dumps({"problems": problems, "runs": records,
+                                                   "budget": {f: budget for f in FAMILIES}}))
+    return path / "results.json"
+
+
+def test_paired_difference_and_standard_error():
+    F = _fidelity()
+    mean, se, n = F.paired([True, True, False, True], [False, True, False, False])
+    diffs = [1, 0, 0, 1]
+    sd = math.sqrt(sum((d - 0.5) ** 2 for d in diffs) / 3)
+    assert (mean, n) == (0.5, 4) and se == pytest.approx(sd / 2, abs=1e-12)
+
+
+def test_every_finding_reproduced_when_the_data_shows_it(tmp_path):
+    F = _fidelity()
+    full = {f: 1.0 for f in FAMILIES}
+    main = {(None, "full"): full,
+            ("reap-r0.5", "conventional"): {"math": 0.9, "code": 0.2, "tool": 0.2},
+            ("reap-r0.5", "slimwise"): {"math": 0.3, "code": 0.9, "tool": 0.9},
+            ("reap-r0.5", "reverse"): {"math": 1.0, "code": 0.3, "tool": 0.9},
+            ("reap-r0.5", "slimwise_distill"): full}
+    more = {(None, "full"): full}
+    for criterion in ("mass", "ean"):
+        more[(f"{criterion}-r0.5", "conventional")] = {f: 0.1 for f in FAMILIES}
+        more[(f"{criterion}-r0.5", "slimwise")] = {f: 0.8 for f in FAMILIES}
+    # conventional math runs away to the budget while its accuracy stays within 0.1 of full
+    lengths = {("reap-r0.5", "conventional"): {"math": 40}, ("reap-r0.5", "slimwise"): {"math": 14}}
+    m = {"main": F.Results(_results(tmp_path / "a", main, lengths)), "more": F.Results(_results(tmp_path / "b", more)),
+         "spec": F.TEACHERS["teacher"], "steps": 5}
+    _, v1 = F.finding_1(m)
+    assert v1.startswith("reproduced") and "worse" in v1  # math: SlimWise 0.3 vs conventional 0.9
+    rows, v2 = F.finding_2(m)
+    assert v2.startswith("reproduced") and "math (median x4.00, budget 1.00" in v2
+    assert "| math | conventional | 0.90 | 40 | 40 | 1.00 | 0.00 |" in rows
+    _, v3 = F.finding_3(m)
+    assert v3.startswith("reproduced")
+    _, v4 = F.finding_4(m)
+    assert v4.startswith("reproduced")  # math: reverse 1.0 vs 0.3; code: SlimWise 0.9 vs reverse 0.3
+    doc = F.render({"teacher": m}, N, {"teacher prune mass": 3})
+    assert doc.count("| reproduced |") == 4 and "Not measured in this run: `teacher_deep`" in doc
+
+
+def test_no_effect_is_reported_as_not_reproduced(tmp_path):
+    F = _fidelity()
+    same = {f: 0.5 for f in FAMILIES}
+    main = {(None, "full"): {f: 1.0 for f in FAMILIES}, **{("reap-r0.5", mode): same for mode in
+                                                            ("conventional", "slimwise", "reverse", "slimwise_distill")}}
+    more = {(None, "full"): {f: 1.0 for f in FAMILIES},
+            **{(f"{c}-r0.5", mode): same for c in ("mass", "ean") for mode in ("conventional", "slimwise")}}
+    m = {"main": F.Results(_results(tmp_path / "a", main)), "more": F.Results(_results(tmp_path / "b", more)),
+         "spec": F.TEACHERS["teacher"], "steps": 5}
+    verdicts = [fn(m)[1] for fn in (F.finding_1, F.finding_2, F.finding_3, F.finding_4)]
+    assert all(v.startswith("not reproduced") for v in verdicts), verdicts
+
+
+def test_a_teacher_that_is_not_shipped_is_refused_before_any_work(tmp_path, monkeypatch):
+    F = _fidelity()
+    monkeypatch.setattr(F, "REPO", tmp_path)
+    monkeypatch.setattr("sys.argv", ["fidelity.py", "--teachers", "teacher_deep", "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="--teachers teacher_deep: no shipped checkpoint"):
+        F.main()
+    assert not (tmp_path / "out").exists()
