@@ -252,7 +252,7 @@ def main() -> int:
     keep_set = prune_dir / "keep_set.json"
     run("distill", [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "slimwise_train", "experiment=demo", *MODEL[1:], f"prune.keep_set={keep_set}",
-                    f"distill.max_steps={STEPS}", f"hydra.run.dir={train_dir}"], timings)
+                    f"distill.schedule.max_steps={STEPS}", f"hydra.run.dir={train_dir}"], timings)
     run("eval", [sys.executable, "-m", "slimwise_train.eval", *MODEL, f"eval.keep_sets=[{keep_set}]",
                  f"eval.student={train_dir}", f"eval.modes=[{','.join(POOLS)}]", f"eval.num_per_family={EVAL_N}",
                  "eval.save_generations=true",

@@ -5,7 +5,7 @@ beside it, or the no-module default against the new-expert student) this
 runs the user's commands of `make demo` (scripts/demo.py) with the same seed, data and step count:
   1. python -m slimwise_train.prune model=teacher prune.criterion=reap prune.ratio=<r>
   2. torchrun --nproc_per_node 2 -m slimwise_train experiment=demo prune.keep_set=<keep_set.json> \\
-         <the variant's overrides> distill.max_steps=<steps>
+         <the variant's overrides> distill.schedule.max_steps=<steps>
   3. python -m slimwise_train.eval model=teacher eval.keep_sets=[<keep_set.json>] eval.student=<run> \\
          eval.modes=[slimwise_distill]          (plus one run of the full / untrained SlimWise baselines)
 and writes outputs/lora_comparison/report.md (cells: accuracy / median / p90 output length / share hitting the
@@ -37,11 +37,12 @@ RATIOS = os.environ.get("LORA_RATIOS", "0.5,0.75").split(",")
 # Student variants on the teacher (Qwen3-MoE: no shared slot of its own). The first is the step-time reference.
 VARIANTS = {
     # a new shared expert (exported with remote code): what always_on meant before the no-module default
-    "new_expert": ["distill/trainable=always_on", "distill.shared_expert_mode=new"],
-    "always_on+lora_experts": ["distill/trainable=always_on+lora_experts", "distill.shared_expert_mode=new"],
-    "always_on+lora_attention": ["distill/trainable=always_on+lora_attention", "distill.shared_expert_mode=new"],
+    "new_expert": ["distill/trainable=always_on", "distill.student.shared_expert_mode=new"],
+    "always_on+lora_experts": ["distill/trainable=always_on+lora_experts", "distill.student.shared_expert_mode=new"],
+    "always_on+lora_attention": ["distill/trainable=always_on+lora_attention",
+                                 "distill.student.shared_expert_mode=new"],
     # the default on families without a slot: no added module, LoRA on the kept experts merged at export
-    "no_module": ["distill/trainable=auto", "distill.shared_expert_mode=auto"],
+    "no_module": ["distill/trainable=auto", "distill.student.shared_expert_mode=auto"],
 }
 PRESETS = os.environ.get("LORA_PRESETS", "new_expert,always_on+lora_experts,always_on+lora_attention").split(",")
 _unknown = [p for p in PRESETS if p not in VARIANTS]
@@ -103,7 +104,7 @@ def main() -> int:
             run(f"train-r{ratio}-{preset}",
                 [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                  "-m", "slimwise_train", "experiment=demo", f"prune.keep_set={keep_sets[ratio]}",
-                 *VARIANTS[preset], f"distill.max_steps={STEPS}", "progress=false",
+                 *VARIANTS[preset], f"distill.schedule.max_steps={STEPS}", "progress=false",
                  f"hydra.run.dir={train_dir}"], timings, logs)
             train_dirs[ratio, preset] = train_dir
     # Baselines once: the full model and the untrained pruned decoder (SlimWise without distillation).

@@ -4,7 +4,7 @@
     python scripts/plan_table.py --seq-len 2048 --models qwen3_moe_30b_a3b,gpt_oss_20b
 
 Each cell is `python -m slimwise_train.plan model=<m> engine=zero3 world_size=<n> gpu_memory_gib=<g>
-data.seq_len=<s> data.batch_size=<b> distill.recompute=<r>`, run in-process (offline, seconds per model).
+data.seq_len=<s> data.batch_size=<b> distill.memory.recompute=<r>`, run in-process (offline, seconds per model).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def main(argv=None) -> None:
                 with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
                     cfg = compose("plan", overrides=[f"model={model}", f"engine={args.engine}", f"world_size={world}",
                                                      f"gpu_memory_gib={gib}", f"data.seq_len={args.seq_len}",
-                                                     f"data.batch_size={args.batch}", f"distill.recompute={recompute}"])
+                                                     f"data.batch_size={args.batch}",
+                                                     f"distill.memory.recompute={recompute}"])
                 plan = plan_from_config(cfg)
                 cells.append(f"{plan.total_bytes / GIB:.1f} ({'yes' if plan.fits else 'no'})")
         print(f"| {model} | " + " | ".join(cells) + " |", flush=True)

@@ -3,7 +3,7 @@
     python scripts/prefix_ablation.py                 # ~20 min on 2 CPU cores; writes docs/prefix-ablation-<date>.md
     ABLATION_STEPS=100 ABLATION_EVAL_N=50 python scripts/prefix_ablation.py --out /tmp/abl   # a quick look
 
-For each REAP ratio (50%, 75%) and each training (`distill.prefix_from=teacher`: the student continues on the
+For each REAP ratio (50%, 75%) and each training (`distill.split.prefix_from=teacher`: the student continues on the
 teacher's prefill cache, the method; `student`: on its own pruned prefill, everything else equal: the demo's recipe,
 seed, data and steps), the distilled student is evaluated in two serving modes on the same held-out problems:
 `slimwise_distill` (full prefill, student decode) and `conventional_distill` (the student alone). Differences are
@@ -84,8 +84,9 @@ def main() -> None:
             if not (train_dir / "export" / "config.json").is_file():
                 timings[f"train {ratio} {training}"] = run(
                     [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "slimwise_train",
-                     "experiment=demo", f"prune.keep_set={prune_dir / 'keep_set.json'}", f"distill.max_steps={steps}",
-                     f"distill.prefix_from={training}", f"output_dir={train_dir}", f"hydra.run.dir={train_dir}"],
+                     "experiment=demo", f"prune.keep_set={prune_dir / 'keep_set.json'}",
+                     f"distill.schedule.max_steps={steps}", f"distill.split.prefix_from={training}",
+                     f"output_dir={train_dir}", f"hydra.run.dir={train_dir}"],
                     out / f"train-r{ratio}-{training}.log")
             eval_dir = out / f"eval-r{ratio}-{training}"
             if not (eval_dir / "results.json").is_file():

@@ -120,7 +120,7 @@ class PruneConfig:
 @dataclass
 class TrainableConfig:
     """distill.trainable: a preset of conf/distill/trainable/ (distill/trainable=<name>) naming what trains beside
-    the always-on tensors (routers, norms, shared expert: the flags in DistillConfig). See distill/lora.py."""
+    the always-on tensors (routers, norms, shared expert: the flags of distill.student). See distill/lora.py."""
 
     # The defaults are the `auto` preset (conf/distill/trainable/auto.yaml sets nothing else): LoRA on the kept
     # experts where the student has no shared expert (the families without a slot), else the always-on tensors only.
@@ -146,9 +146,10 @@ class LossConfig:
 
 
 @dataclass
-class DistillConfig:
-    loss: LossConfig = field(default_factory=LossConfig)  # the objective: named, weighted terms (LossConfig)
-    # student: what trains (all three kinds by default)
+class StudentConfig:
+    """distill.student: what trains beside the trainable preset's LoRA (all three kinds by default): router deltas,
+    RMSNorm deltas and the shared capacity per MoE layer (distill/student.py)."""
+
     shared_expert_intermediate_size: Optional[int] = None  # default: the routed expert size
     # where the shared expert goes (SharedExpertMode above): auto = native where the family has a slot (Qwen2-MoE,
     # Qwen3-Next, Qwen3.5-MoE, DeepSeek-V3, Gemma 4), else none. Every mode but `new` exports the stock class.
@@ -158,18 +159,20 @@ class DistillConfig:
     # all: every RMSNorm with a weight (incl. q/k norms) | layer: decoder-layer norms + final
     norm_scope: Annotated[str, NormScope] = "all"
     train_shared_expert: bool = True  # false: no shared expert, whatever shared_expert_mode says (= mode none)
-    # activation recompute in the student phase: none | moe (routed experts) | layer (decoder layers)
-    recompute: Annotated[str, Recompute] = "none"
-    # teacher prefix + continuation in ONE forward, the cache cropped back to the prefix for the student (one
-    # weight gather fewer per micro-batch under ZeRO-3). null: on when every KV-cache layer is full attention.
-    teacher_single_pass: Optional[bool] = None
+
+
+@dataclass
+class SplitConfig:
+    """distill.split: where each sequence is cut into the prefix (prefilled, its KV cache handed off) and the
+    continuation the student predicts (distill/batches.py), and who prefills the prefix."""
+
     # who prefills the prefix the student continues on (PrefixFrom above). teacher: the full model's KV cache (the
     # SlimWise design). student: the student prefills seq[:s] itself, WITH gradients (the continuation's loss flows
     # back through its own K/V into the prefill, so it is trained end to end as the pruned model on the whole
     # sequence, the counterpart of a student that prefills and decodes: eval mode conventional_distill); computed as
     # one student forward over prefix + continuation, so it costs the student's activations on the prefix too
-    # (distill.recompute cuts them; the memory planner counts the continuation only). Everything else is equal: the
-    # same split points, loss positions (the continuation only) and teacher targets (the full model over the whole
+    # (distill.memory.recompute cuts them; the memory planner counts the continuation only). Everything else is equal:
+    # the same split points, loss positions (the continuation only) and teacher targets (the full model over the whole
     # sequence, computed exactly as with teacher). A run cannot resume with the other value.
     prefix_from: Annotated[str, PrefixFrom] = "teacher"
     # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation]
@@ -177,33 +180,107 @@ class DistillConfig:
     min_continuation: int = 2  # fewest continuation tokens after the split point
     split_after_prompt: bool = False  # split after the prompt (prompt/answer rows)
     bucket_windows: int = 8  # length bucketing: sort windows of this many global batches by length
-    # optimisation
-    lr: float = 1e-3  # peak AdamW learning rate (after warmup_steps)
-    min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio x lr at max_steps
+
+
+@dataclass
+class MemoryConfig:
+    """distill.memory: trading compute for memory in a training step."""
+
+    # activation recompute in the student phase: none | moe (routed experts) | layer (decoder layers)
+    recompute: Annotated[str, Recompute] = "none"
+    # teacher prefix + continuation in ONE forward, the cache cropped back to the prefix for the student (one
+    # weight gather fewer per micro-batch under ZeRO-3). null: on when every KV-cache layer is full attention.
+    teacher_single_pass: Optional[bool] = None
+
+
+@dataclass
+class OptimConfig:
+    """distill.optim: the AdamW optimizer and gradient clipping (distill/engine.py; the same for every engine)."""
+
+    lr: float = 1e-3  # peak AdamW learning rate (after distill.schedule.warmup_steps)
     weight_decay: float = 0.0  # AdamW weight decay
     adam_beta1: float = 0.9  # AdamW beta1
     adam_beta2: float = 0.999  # AdamW beta2
     adam_eps: float = 1e-8  # AdamW epsilon
-    warmup_steps: int = 10  # linear warm-up steps to lr
-    max_steps: int = 100  # optimizer steps of the run
     grad_clip: float = 1.0  # explicit for every engine; 0 disables clipping
+
+
+@dataclass
+class ScheduleConfig:
+    """distill.schedule: the run's length, the learning-rate schedule (linear warm-up, then cosine) and the step's
+    accumulation."""
+
+    max_steps: int = 100  # optimizer steps of the run
+    warmup_steps: int = 10  # linear warm-up steps to distill.optim.lr
+    min_lr_ratio: float = 0.1  # cosine decays to min_lr_ratio x lr at max_steps
     grad_accum: int = 1  # micro-batches per optimizer step (per rank)
     max_nan_steps: int = 3  # a non-finite loss skips the step; this many in a row aborts the run
-    # evaluation, logging, checkpoints, export
-    eval_every: int = 50  # optimizer steps between held-out evaluations
-    eval_batches: int = 4  # per rank
-    eval_split: str = "eval"  # split of data.source for the held-out loss; = data.split: held out of the training read
-    eval_samples: int = 64  # held-out sequences for the eval loss
+
+
+@dataclass
+class DistillEvalConfig:
+    """distill.eval: the held-out loss during training (the generation evals are `python -m slimwise_train.eval`)."""
+
+    every: int = 50  # optimizer steps between held-out evaluations
+    batches: int = 4  # per rank
+    split: str = "eval"  # split of data.source for the held-out loss; = data.split: held out of the training read
+    samples: int = 64  # held-out sequences for the eval loss
+
+
+@dataclass
+class CheckpointConfig:
+    """distill.checkpoint: the resumable checkpoints under <output_dir>/checkpoints/ (resume=auto picks the newest)."""
+
+    every: int = 50  # optimizer steps between checkpoints
+    keep: int = 2  # newest complete checkpoints kept
+
+
+@dataclass
+class DistillConfig:
+    """Distillation of the pruned decoder on the teacher's prefix KV cache, in groups: loss (the objective), student
+    and trainable (what trains), split (prefix / continuation), memory, optim, schedule, eval, checkpoint."""
+
+    loss: LossConfig = field(default_factory=LossConfig)  # the objective: named, weighted terms (LossConfig)
+    student: StudentConfig = field(default_factory=StudentConfig)  # what trains: routers, norms, shared expert
+    trainable: TrainableConfig = field(default_factory=TrainableConfig)  # LoRA presets (conf/distill/trainable/)
+    split: SplitConfig = field(default_factory=SplitConfig)  # split points and who prefills the prefix
+    memory: MemoryConfig = field(default_factory=MemoryConfig)  # activation recompute, the teacher's single pass
+    optim: OptimConfig = field(default_factory=OptimConfig)  # AdamW and gradient clipping
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)  # steps, warm-up, cosine, accumulation
+    eval: DistillEvalConfig = field(default_factory=DistillEvalConfig)  # the held-out loss during training
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # resumable checkpoints
     log_every: int = 10  # optimizer steps between metrics rows and console lines
-    save_every: int = 50  # optimizer steps between checkpoints
-    keep_checkpoints: int = 2  # newest complete checkpoints kept
     export: bool = True  # write export/ (HF checkpoint) and student_trainable.safetensors at the end
     check_frozen: bool = True  # hash every frozen tensor at start and end (and on resume); costs one pass over them
     # prune.keep_set scored on other weights than this run's model (its meta.model names another checkpoint, seed or
     # revision) is an error; true trains with it anyway (a warning says so), e.g. a keep set of the base checkpoint
     # reused on its fine-tune.
     allow_foreign_keep_set: bool = False
-    trainable: TrainableConfig = field(default_factory=TrainableConfig)  # LoRA presets (conf/distill/trainable/)
+
+
+# The flat distill keys before the groups (issue 25): an old key on the command line or in a YAML is refused in one
+# line naming its new place (utils/cli.py, check_known_keys).
+MOVED_KEYS: Dict[str, str] = {
+    **{f"distill.{name}": f"distill.student.{name}" for name in (
+        "shared_expert_intermediate_size", "shared_expert_mode", "train_routers", "train_norms", "norm_scope",
+        "train_shared_expert")},
+    **{f"distill.{name}": f"distill.split.{name}" for name in (
+        "prefix_from", "min_split", "min_continuation", "split_after_prompt", "bucket_windows")},
+    **{f"distill.{name}": f"distill.memory.{name}" for name in ("recompute", "teacher_single_pass")},
+    **{f"distill.{name}": f"distill.optim.{name}" for name in (
+        "lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "grad_clip")},
+    **{f"distill.{name}": f"distill.schedule.{name}" for name in (
+        "max_steps", "warmup_steps", "min_lr_ratio", "grad_accum", "max_nan_steps")},
+    **{f"distill.eval_{name}": f"distill.eval.{name}" for name in ("every", "batches", "split", "samples")},
+    "distill.save_every": "distill.checkpoint.every",
+    "distill.keep_checkpoints": "distill.checkpoint.keep",
+}
+
+
+def moved_key_message(key: str) -> Optional[str]:
+    """`<old> moved to <new>` for a flat distill key of before the groups (a leading +/++/~ ignored), else None."""
+    key = key.lstrip("+~")
+    return f"{key} moved to {MOVED_KEYS[key]}" if key in MOVED_KEYS else None
 
 
 @dataclass
@@ -308,7 +385,7 @@ class PlanAppConfig:
     model: ModelConfig = MISSING
     data: DataConfig = field(default_factory=DataConfig)  # seq_len and batch_size (the micro batch per rank)
     prune: PruneConfig = field(default_factory=PruneConfig)  # ratio: the keep set (uniform) of the student
-    distill: DistillConfig = field(default_factory=DistillConfig)  # recompute, loss, min_split, student
+    distill: DistillConfig = field(default_factory=DistillConfig)  # memory.recompute, loss, split.min_split, student
     engine: EngineConfig = field(default_factory=EngineConfig)
     world_size: int = 8  # ranks (GPUs) the run is spread over
     gpu_memory_gib: float = 80.0  # memory per GPU the plan must fit in
@@ -403,6 +480,9 @@ def check_known_keys(cfg: Any, schema: type, where: str = "") -> None:
     for key in cfg.keys() if isinstance(cfg, DictConfig) else ():
         path = f"{where}.{key}" if where else str(key)
         if key not in fields:
+            moved = moved_key_message(path)  # a flat distill key of before the groups
+            if moved:
+                raise ValueError(moved)
             close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f"did you mean {where + '.' if where else ''}{close[0]}? " if close else ""
             raise ValueError(f"unknown config key {path!r}: {hint}known keys here: {', '.join(fields)}")
@@ -440,51 +520,64 @@ def _integer(value) -> int | None:
     return None if isinstance(value, bool) or not isinstance(value, int) else value
 
 
-# DistillConfig's numbers that no run can use otherwise: (key, lowest, lowest allowed too, rule, a valid example).
-_DISTILL_AT_LEAST_ONE = ("max_steps", "grad_accum", "log_every", "save_every", "eval_every",
-                         "eval_batches", "eval_samples", "max_nan_steps", "keep_checkpoints", "bucket_windows")
+# DistillConfig's numbers that no run can use otherwise (paths under distill): integers >= 1, and
+# (path, lowest, lowest allowed too, rule, a valid example).
+_DISTILL_AT_LEAST_ONE = ("schedule.max_steps", "schedule.grad_accum", "log_every", "checkpoint.every", "eval.every",
+                         "eval.batches", "eval.samples", "schedule.max_nan_steps", "checkpoint.keep",
+                         "split.bucket_windows")
 _DISTILL_RANGES = (
-    ("lr", 0.0, False, "a finite number > 0", "1e-4"),
-    ("adam_eps", 0.0, False, "a finite number > 0", "1e-8"),
-    ("weight_decay", 0.0, True, "a finite number >= 0", "0.0"),
-    ("grad_clip", 0.0, True, "a finite number >= 0 (0 disables clipping)", "1.0"),
+    ("optim.lr", 0.0, False, "a finite number > 0", "1e-4"),
+    ("optim.adam_eps", 0.0, False, "a finite number > 0", "1e-8"),
+    ("optim.weight_decay", 0.0, True, "a finite number >= 0", "0.0"),
+    ("optim.grad_clip", 0.0, True, "a finite number >= 0 (0 disables clipping)", "1.0"),
 )
+
+
+def _at(node, path: str):
+    """`node.<path>` (dotted) of a DictConfig, dict or dataclass, None where a part is missing."""
+    for part in path.split("."):
+        if node is None:
+            return None
+        node = node.get(part) if hasattr(node, "get") else getattr(node, part, None)
+    return node
 
 
 def check_distill_config(d, key: str = "distill") -> None:
     """Refuse a distill.* value no run can use (a learning rate <= 0, zero steps, ...) in one line naming the key and a
     valid value. Needs neither the model nor the data: the trainer calls it first. distill.loss is checked against the
     term registry by distill/objective.check_loss_config."""
+    defaults = DistillConfig()
     for name in _DISTILL_AT_LEAST_ONE:
-        value = _integer(d.get(name))
+        value = _integer(_at(d, name))
         if value is None or value < 1:
-            raise ValueError(f"{key}.{name}={d.get(name)} is invalid: it must be an integer >= 1; "
-                             f"e.g. {key}.{name}={getattr(DistillConfig, name)}")
-    warmup = _integer(d.get("warmup_steps"))
+            raise ValueError(f"{key}.{name}={_at(d, name)} is invalid: it must be an integer >= 1; "
+                             f"e.g. {key}.{name}={_at(defaults, name)}")
+    warmup = _integer(_at(d, "schedule.warmup_steps"))
     if warmup is None or warmup < 0:
-        raise ValueError(f"{key}.warmup_steps={d.get('warmup_steps')} is invalid: it must be an integer >= 0; "
-                         f"{key}.warmup_steps=0 for no warm-up")
+        raise ValueError(f"{key}.schedule.warmup_steps={_at(d, 'schedule.warmup_steps')} is invalid: it must be an "
+                         f"integer >= 0; {key}.schedule.warmup_steps=0 for no warm-up")
     for name, low, inclusive, rule, example in _DISTILL_RANGES:
-        number = _number(d.get(name))
+        number = _number(_at(d, name))
         if number is None or number < low or (number == low and not inclusive):
-            raise ValueError(f"{key}.{name}={d.get(name)} is invalid: it must be {rule}; e.g. {key}.{name}={example}")
-    ratio = _number(d.get("min_lr_ratio"))
+            raise ValueError(f"{key}.{name}={_at(d, name)} is invalid: it must be {rule}; e.g. {key}.{name}={example}")
+    ratio = _number(_at(d, "schedule.min_lr_ratio"))
     if ratio is None or not 0 <= ratio <= 1:
-        raise ValueError(f"{key}.min_lr_ratio={d.get('min_lr_ratio')} is invalid: the cosine ends at min_lr_ratio x "
-                         f"lr, a share in [0, 1]; e.g. {key}.min_lr_ratio=0.1")
-    for name, example in (("adam_beta1", 0.9), ("adam_beta2", 0.999)):
-        beta = _number(d.get(name))
+        raise ValueError(f"{key}.schedule.min_lr_ratio={_at(d, 'schedule.min_lr_ratio')} is invalid: the cosine ends "
+                         f"at min_lr_ratio x lr, a share in [0, 1]; e.g. {key}.schedule.min_lr_ratio=0.1")
+    for name, example in (("optim.adam_beta1", 0.9), ("optim.adam_beta2", 0.999)):
+        beta = _number(_at(d, name))
         if beta is None or not 0 <= beta < 1:
-            raise ValueError(f"{key}.{name}={d.get(name)} is invalid: an Adam beta is in [0, 1); "
+            raise ValueError(f"{key}.{name}={_at(d, name)} is invalid: an Adam beta is in [0, 1); "
                              f"e.g. {key}.{name}={example}")
-    prefix_from = d.get("prefix_from", DistillConfig.prefix_from)
+    prefix_from = _at(d, "split.prefix_from")
+    prefix_from = SplitConfig.prefix_from if prefix_from is None else prefix_from
     if prefix_from not in get_args(PrefixFrom):
-        raise ValueError(f"{key}.prefix_from={prefix_from!r} is invalid: it must be one of "
-                         f"{', '.join(get_args(PrefixFrom))}; e.g. {key}.prefix_from=student")
-    size = d.get("shared_expert_intermediate_size")
+        raise ValueError(f"{key}.split.prefix_from={prefix_from!r} is invalid: it must be one of "
+                         f"{', '.join(get_args(PrefixFrom))}; e.g. {key}.split.prefix_from=student")
+    size = _at(d, "student.shared_expert_intermediate_size")
     if size is not None and (_integer(size) is None or size < 1):
-        raise ValueError(f"{key}.shared_expert_intermediate_size={size} is invalid: it must be an integer >= 1, or "
-                         f"null for the routed expert size")
+        raise ValueError(f"{key}.student.shared_expert_intermediate_size={size} is invalid: it must be an integer "
+                         f">= 1, or null for the routed expert size")
 
 
 def check_data_config(data, key: str = "data") -> None:

@@ -30,18 +30,19 @@ CHILD_ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HF_
 # Every tiny training run: the tiny Qwen3-MoE on the offline synthetic data (experiment=tiny_smoke), no logger.
 TINY_TRAIN = ("experiment=tiny_smoke", "logger=none")
 # A learning rate at which the held-out loss visibly falls within a dozen steps.
-FAST_LR = ("distill.lr=2e-2", "distill.warmup_steps=2")
+FAST_LR = ("distill.optim.lr=2e-2", "distill.schedule.warmup_steps=2")
 # The trainer tests' short real run (tests/test_trainer.py's SMALL): fresh run, fast lr, 2 eval batches, every step
 # logged. `train_cfg` composes it.
-FAST_TRAIN = (*TINY_TRAIN, "resume=never", *FAST_LR, "distill.eval_batches=2", "distill.log_every=1")
+FAST_TRAIN = (*TINY_TRAIN, "resume=never", *FAST_LR, "distill.eval.batches=2", "distill.log_every=1")
 
 
 def train_steps(max_steps: int, *, save_every: int | None = None, eval_every: int | None = None,
                 log_every: int | None = 1) -> list[str]:
-    """distill.max_steps with a checkpoint and a held-out eval every `save_every` / `eval_every` steps (default: at
-    the last step only) and a metrics record every `log_every` steps (None: the config's default)."""
-    out = [f"distill.max_steps={max_steps}", f"distill.eval_every={eval_every or max_steps}",
-           f"distill.save_every={save_every or max_steps}"]
+    """distill.schedule.max_steps with a checkpoint and a held-out eval every `save_every` / `eval_every` steps
+    (distill.checkpoint.every / distill.eval.every; default: at the last step only) and a metrics record every
+    `log_every` steps (None: the config's default)."""
+    out = [f"distill.schedule.max_steps={max_steps}", f"distill.eval.every={eval_every or max_steps}",
+           f"distill.checkpoint.every={save_every or max_steps}"]
     return out + ([f"distill.log_every={log_every}"] if log_every is not None else [])
 
 

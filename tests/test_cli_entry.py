@@ -88,6 +88,47 @@ def test_a_run_refused_for_bad_input_leaves_no_folder_and_no_log(tmp_path, app, 
     assert tree(tmp_path) == []
 
 
+@pytest.mark.parametrize("app, args, expected", [
+    ("train", ["distill.lr=1e-4"], "distill.lr moved to distill.optim.lr"),
+    ("train", ["distill.max_steps=10", "distill.eval_every=5"],
+     "distill.max_steps moved to distill.schedule.max_steps; distill.eval_every moved to distill.eval.every"),
+    ("train", ["--multirun", "+distill.save_every=2,4"], "distill.save_every moved to distill.checkpoint.every"),
+    ("train", ["distill.prefix_from=student", "--help"], "distill.prefix_from moved to distill.split.prefix_from"),
+    ("plan", ["distill.recompute=moe"], "distill.recompute moved to distill.memory.recompute"),
+])
+@pytest.mark.subprocess
+def test_an_old_flat_distill_key_is_one_line_naming_its_new_place(tmp_path, app, args, expected):
+    """The distill keys moved into groups (issue 25: config.MOVED_KEYS): the old flat key on the command line is one
+    line naming the new key, exit 2, before any folder or log (a sweep, `+key` and --help alike)."""
+    proc = run(app, [*args, f"hydra.run.dir={tmp_path / 'outputs' / 'run'}"], cwd=tmp_path)
+    assert the_error(proc, app) == f"{APPS[app]}: error: {expected}"
+    assert tree(tmp_path) == []
+
+
+@pytest.mark.subprocess
+def test_an_old_flat_distill_key_in_a_yaml_names_the_file_and_the_new_place(tmp_path):
+    mine, work = tmp_path / "conf", tmp_path / "work"
+    (mine / "experiment").mkdir(parents=True)
+    work.mkdir()
+    (mine / "experiment" / "old.yaml").write_text("# @package _global_\ndistill:\n  lr: 1.0e-4\n  max_steps: 9\n")
+    proc = run("train", [f"hydra.searchpath=[file://{mine}]", "experiment=old",
+                         f"hydra.run.dir={work / 'outputs' / 'run'}"], cwd=work)
+    line = the_error(proc, "train")
+    assert line == "slimwise_train: error: In 'experiment/old': distill.lr moved to distill.optim.lr"
+    assert tree(work) == []
+
+
+def test_only_a_renamed_key_gets_the_moved_line():
+    from hydra.errors import ConfigCompositionException
+
+    from slimwise_train.config import moved_key_message
+    from slimwise_train.utils.cli import _moved_key
+
+    exc = ConfigCompositionException("Could not override 'distill.lr'")
+    assert _moved_key(["distill.lr=1", "~distill.lr"], exc, moved_key_message) == "distill.lr moved to distill.optim.lr"
+    assert _moved_key(["distill.optim.lr=1", "distill.log_every=2"], exc, moved_key_message) is None
+
+
 @pytest.mark.subprocess
 def test_a_refused_rerun_keeps_the_folder_and_the_log_it_had(tmp_path):
     run_dir = tmp_path / "run"

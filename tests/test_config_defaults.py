@@ -16,8 +16,9 @@ from typing import get_args
 import pytest
 from omegaconf import MISSING, OmegaConf
 
-from slimwise_train.config import (CONF_DIR, DataConfig, DistillConfig, EngineConfig, LoggerConfig, PruneConfig,
-                                   TrainableConfig)
+from slimwise_train.config import (CONF_DIR, CheckpointConfig, DataConfig, DistillConfig, DistillEvalConfig,
+                                   EngineConfig, LoggerConfig, LossConfig, MemoryConfig, OptimConfig, PruneConfig,
+                                   ScheduleConfig, SplitConfig, StudentConfig, TrainableConfig)
 
 # conf/<folder>/*.yaml -> the schema its files are merged onto
 GROUPS = {"data": DataConfig, "prune": PruneConfig, "distill": DistillConfig, "distill/trainable": TrainableConfig,
@@ -67,8 +68,57 @@ def test_every_group_folder_is_checked():
 
 def test_the_rule_sees_a_repeat_and_lets_a_change_pass():
     defaults = _defaults(DistillConfig)
-    assert repeated_defaults({"lr": DistillConfig.lr, "max_steps": 40}, defaults) == [f"lr={DistillConfig.lr}"]
+    assert repeated_defaults({"optim": {"lr": OptimConfig.lr}, "schedule": {"max_steps": 40}}, defaults) == [
+        f"optim.lr={OptimConfig.lr}"]
     assert repeated_defaults({"loss": {"top_k": 64, "chunk_size": 8}}, defaults) == ["loss.top_k=64"]
+    # a whole group equal to the schema's is one repeat
+    assert repeated_defaults({"checkpoint": {"every": 50, "keep": 2}}, defaults) == [
+        "checkpoint={'every': 50, 'keep': 2}"]
+
+
+# --------------------------------------------------------------------------- the distill groups (issue 25 item 5)
+
+DISTILL_GROUPS = {"loss": LossConfig, "student": StudentConfig, "trainable": TrainableConfig, "split": SplitConfig,
+                  "memory": MemoryConfig, "optim": OptimConfig, "schedule": ScheduleConfig, "eval": DistillEvalConfig,
+                  "checkpoint": CheckpointConfig}
+
+
+def test_distill_is_grouped_with_each_default_in_one_schema():
+    """distill.* is nested groups (each its own dataclass: the one place its defaults are set) plus four run-wide
+    flags; every group has a docstring (the --help line of the section) and every field a comment."""
+    from slimwise_train.utils.help import field_comments
+
+    fields = {f.name: f for f in dataclasses.fields(DistillConfig)}
+    nested = {name: f.default_factory for name, f in fields.items() if f.default_factory is not dataclasses.MISSING}
+    assert nested == DISTILL_GROUPS
+    assert set(fields) - set(nested) == {"log_every", "export", "check_frozen", "allow_foreign_keep_set"}
+    for schema in (DistillConfig, *DISTILL_GROUPS.values()):
+        assert schema.__doc__ and not schema.__doc__.startswith(schema.__name__ + "("), schema
+        assert set(field_comments(schema)) == {f.name for f in dataclasses.fields(schema)}, schema
+
+
+def test_every_moved_key_names_a_key_of_the_schema_and_no_yaml_uses_an_old_one():
+    """config.MOVED_KEYS (the flat keys of before the groups, refused in one line naming the new place): each old key
+    is gone from the schema and its new one is there, with the same default; no YAML under conf/ (group presets,
+    app configs, experiments) sets an old key."""
+    from slimwise_train.config import MOVED_KEYS
+
+    schema = OmegaConf.structured(DistillConfig)
+    old_defaults = {"lr": 1e-3, "max_steps": 100, "eval_every": 50, "save_every": 50, "keep_checkpoints": 2,
+                    "prefix_from": "teacher", "recompute": "none", "shared_expert_mode": "auto"}
+    assert len(MOVED_KEYS) == 30
+    for old, new in MOVED_KEYS.items():
+        old_key, new_key = old.split(".", 1)[1], new.split(".", 1)[1]
+        assert old_key not in schema and "." in new_key
+        assert OmegaConf.select(schema, new_key, default="<absent>") != "<absent>", new
+        if old_key in old_defaults:
+            assert OmegaConf.select(schema, new_key) == old_defaults[old_key], new
+    flat = {old.split(".", 1)[1] for old in MOVED_KEYS}
+    for path in sorted(Path(CONF_DIR).rglob("*.yaml")):
+        values = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+        rel = path.relative_to(CONF_DIR).as_posix()
+        distill = values if rel.startswith("distill/default") else values.get("distill") or {}
+        assert not flat & set(distill), f"conf/{rel} sets old flat distill keys {sorted(flat & set(distill))}"
 
 
 def test_every_app_places_the_model_preset_last_then_self():

@@ -19,8 +19,9 @@ from slimwise_train.models import load_model
 from slimwise_train.utils.rundir import LOCK_NAME, acquire_lock, release_lock
 
 register_configs()
-SMALL = ["experiment=tiny_smoke", "logger=none", "resume=auto", "distill.max_steps=4", "distill.save_every=2",
-         "distill.eval_every=4", "distill.log_every=1", "distill.keep_checkpoints=5", "distill.export=false"]
+SMALL = ["experiment=tiny_smoke", "logger=none", "resume=auto", "distill.schedule.max_steps=4",
+         "distill.checkpoint.every=2", "distill.eval.every=4", "distill.log_every=1", "distill.checkpoint.keep=5",
+         "distill.export=false"]
 
 
 def cfg_for(output_dir, *overrides):
@@ -102,7 +103,8 @@ def test_stale_export_temporaries_are_removed_at_start(tmp_path):
     (tmp_path / ".export.abc123.tmp" / "model.safetensors").write_text("half")
     (tmp_path / ".metrics.jsonl.x1.tmp").write_text("half")
     (tmp_path / "keep_me.txt").write_text("user file")
-    trainer = trainer_for(tmp_path, "distill.max_steps=1", "distill.save_every=1", "distill.eval_every=1")
+    trainer = trainer_for(tmp_path, "distill.schedule.max_steps=1", "distill.checkpoint.every=1",
+                          "distill.eval.every=1")
     try:
         trainer.setup()
     finally:
@@ -137,7 +139,7 @@ def test_fault_hooks_fire_only_at_their_steps_and_an_unknown_one_is_refused(tmp_
 
 
 def test_checkpoint_verification_names_the_problem(tmp_path):
-    run_train(cfg_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2"))
+    run_train(cfg_for(tmp_path, "distill.schedule.max_steps=2", "distill.eval.every=2"))
     ckpt = tmp_path / "checkpoints" / "step_000002"
     verify_checkpoint(ckpt)
     sums = json.loads((ckpt / "checksums.json").read_text())
@@ -212,7 +214,7 @@ def test_cli_error_for_a_missing_model_folder(tmp_path):
 
 
 def test_training_shows_a_step_progress_bar(tmp_path, capsys):
-    run_train(cfg_for(tmp_path, "distill.max_steps=2", "distill.eval_every=2", "progress=true"))
+    run_train(cfg_for(tmp_path, "distill.schedule.max_steps=2", "distill.eval.every=2", "progress=true"))
     err = capsys.readouterr().err
     assert "distill" in err and "2/2" in err
 
@@ -265,7 +267,7 @@ def test_an_emptied_checksums_file_does_not_verify_and_resume_falls_back(tmp_pat
     (newest / "checksums.json").write_text("[]")
     with pytest.raises(CorruptCheckpoint, match="not a mapping"):
         verify_checkpoint(newest)
-    trainer = trainer_for(tmp_path, "distill.max_steps=6")
+    trainer = trainer_for(tmp_path, "distill.schedule.max_steps=6")
     try:
         with caplog.at_level("WARNING"):
             trainer.setup()

@@ -70,12 +70,12 @@ def key_entry(out: str, key: str) -> tuple[str, str]:
                                        "prune.criterion": "reap", "data.source": None}),
     ("train", ["--help"], ["model", "data", "data@calibration", "prune", "distill", "distill/trainable", "engine",
                            "logger", "experiment"], [],
-     {"distill.lr": None, "distill.recompute": "none", "engine.name": "torch", "prune.ratio": "0.5",
+     {"distill.optim.lr": None, "distill.memory.recompute": "none", "engine.name": "torch", "prune.ratio": "0.5",
       "calibration.source": "synthetic"}),
     ("eval", ["-h"], ["model", "logger"], ["distill", "engine", "prune", "data"],
      {"eval.modes": None, "eval.num_per_family": "200", "logger.name": "none"}),
     ("plan", ["world_size=4", "--help"], ["model", "data", "prune", "distill", "engine"], ["logger"],
-     {"world_size": "4", "gpu_memory_gib": None, "distill.recompute": None}),
+     {"world_size": "4", "gpu_memory_gib": None, "distill.memory.recompute": None}),
 ])
 @pytest.mark.subprocess
 def test_help_of_every_app(tmp_path, app, args, groups, not_groups, keys):

@@ -1,4 +1,4 @@
-"""The shared expert in the family's own slot (distill.shared_expert_mode=native) on every family that has one.
+"""The shared expert in the family's own slot (distill.student.shared_expert_mode=native) on every family that has one.
 
 The student trains extra intermediate columns of the slot (Qwen's gated `shared_expert`, DeepSeek-V3's
 `shared_experts`, Gemma 4's dense `mlp`); the export concatenates them into the slot and grows the config, so the
@@ -229,8 +229,8 @@ def test_a_student_file_from_before_the_mode_existed_loads_as_a_new_shared_exper
 @pytest.mark.parametrize("model_type", NO_SLOT_FAMILIES)
 def test_native_on_a_family_without_a_slot_is_a_one_line_error_and_auto_means_none(model_type):
     model = tiny_model(model_type)
-    with pytest.raises(ValueError, match="has no shared-expert slot.*use distill.shared_expert_mode=auto or none "
-                                         r"\(stock-class export\) or new") as error:
+    with pytest.raises(ValueError, match="has no shared-expert slot.*use distill.student.shared_expert_mode=auto or "
+                                         r"none \(stock-class export\) or new") as error:
         DistillModel(model, _keep(model), NATIVE)
     assert "\n" not in str(error.value)
     assert DistillModel(model, _keep(model)).spec.shared_expert_mode == "none"  # tests/test_stock_export.py
@@ -243,11 +243,11 @@ def test_widths_a_family_cannot_express_and_unknown_modes_are_refused():
     student = DistillModel(model, _keep(model), StudentSpec(shared_expert_mode="native",
                                                            shared_expert_intermediate_size=32))
     assert folded_decoder(student).config.n_shared_experts == 3  # two more experts of 16 columns
-    with pytest.raises(ValueError, match="unknown distill.shared_expert_mode 'slot'"):
+    with pytest.raises(ValueError, match="unknown distill.student.shared_expert_mode 'slot'"):
         DistillModel(model, _keep(model), StudentSpec(shared_expert_mode="slot"))
     # Gemma 4's KV-shared layers of a double-wide config build their MLP at twice intermediate_size.
     double_wide = tiny_config("gemma4_text", use_double_wide_mlp=True, num_kv_shared_layers=1)
-    with pytest.raises(ValueError, match="use_double_wide_mlp.*use distill.shared_expert_mode=none .* or new"):
+    with pytest.raises(ValueError, match="use_double_wide_mlp.*use distill.student.shared_expert_mode=none .* or new"):
         get_adapter(double_wide).widened_slot_config(double_wide, 16)
 
 
@@ -258,8 +258,8 @@ def test_trainer_runs_native_mode_end_to_end(tmp_path):
 
     from slimwise_train.distill.trainer import Trainer
 
-    cfg = train_cfg(tmp_path, "model=tiny_qwen2_moe", "distill.max_steps=3", "distill.eval_every=3",
-                   "distill.save_every=3")
+    cfg = train_cfg(tmp_path, "model=tiny_qwen2_moe", "distill.schedule.max_steps=3", "distill.eval.every=3",
+                   "distill.checkpoint.every=3")
     trainer = Trainer(cfg).setup()
     try:
         summary = trainer.train()

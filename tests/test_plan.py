@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from slimwise_train.config import (
     DistillConfig,
+    MemoryConfig,
     ModelConfig,
     PruneConfig,
 )
@@ -83,7 +84,7 @@ def test_layer_kinds_of_the_real_architectures():
 
 
 def test_engines_shard_what_deepspeed_shards():
-    common = ("model=qwen3_moe_30b_a3b", "world_size=8", "data.seq_len=2048", "distill.recompute=moe")
+    common = ("model=qwen3_moe_30b_a3b", "world_size=8", "data.seq_len=2048", "distill.memory.recompute=moe")
     plans = {engine: plan_from_config(_cfg(*common, f"engine={engine}")) for engine in ("torch", "zero1", "zero2",
                                                                                           "zero3")}
     frozen = {e: p.components["frozen_weights"] for e, p in plans.items()}
@@ -92,7 +93,7 @@ def test_engines_shard_what_deepspeed_shards():
     assert opt["torch"] > opt["zero1"] > opt["zero2"] > opt["zero3"]
     assert plans["torch"].components["deepspeed_buckets"] == 0 < plans["zero2"].components["deepspeed_buckets"]
     assert "zero3_gathered" in plans["zero3"].components and "zero3_gathered" not in plans["zero2"].components
-    acts = {r: plan_from_config(_cfg(*common[:-1], "engine=zero3", f"distill.recompute={r}")) for r in
+    acts = {r: plan_from_config(_cfg(*common[:-1], "engine=zero3", f"distill.memory.recompute={r}")) for r in
             ("none", "moe", "layer")}
     assert (acts["none"].components["activations"] > acts["moe"].components["activations"]
             > acts["layer"].components["activations"])
@@ -135,7 +136,8 @@ def test_activation_and_cache_formulas_match_the_saved_tensors(family, recompute
                  "head_dim": 32, **FAMILIES[family]}
     overrides = {k: v for k, v in overrides.items() if v is not None}
     model = OmegaConf.structured(ModelConfig(name=family, tiny=family, tiny_overrides=overrides))
-    prune, distill = OmegaConf.structured(PruneConfig()), OmegaConf.structured(DistillConfig(recompute=recompute))
+    prune = OmegaConf.structured(PruneConfig())
+    distill = OmegaConf.structured(DistillConfig(memory=MemoryConfig(recompute=recompute)))
     shape = Shape(batch=2, prefix=40, continuation=48)
     measured = saved_activations(model, prune, distill, shape.batch, shape.prefix, shape.continuation)
     arch, _ = describe(model, prune, distill, torch.float32)
@@ -163,9 +165,9 @@ def test_cli_prints_a_table_and_one_json_line(tmp_path):
     assert lines[0].startswith("memory plan: qwen3_moe_30b_a3b") and any(row.startswith("total") for row in lines)
     assert not any(row.startswith("{") for row in lines)  # the table only; the JSON is in plan.json
     # 183 GiB does not fit 80: the planner says what would, planned the same way (moe: 46.4 GiB, layer)
-    (moe,) = [row for row in lines if row.startswith("with distill.recompute=moe:")]
+    (moe,) = [row for row in lines if row.startswith("with distill.memory.recompute=moe:")]
     assert moe.endswith("(fits)") and float(moe.split(": ")[1].split()[0]) < 80
-    assert any(row.startswith("with distill.recompute=layer:") for row in lines)
+    assert any(row.startswith("with distill.memory.recompute=layer:") for row in lines)
     only = subprocess.run([sys.executable, "-m", "slimwise_train.plan", "model=qwen3_moe_30b_a3b", "engine=zero3",
                            "world_size=8", "data.seq_len=4096", "json_only=true", f"hydra.run.dir={tmp_path / 'j'}"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120, check=False)

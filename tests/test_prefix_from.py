@@ -1,4 +1,4 @@
-"""distill.prefix_from (issue 23 item 1, training half): who prefills the prefix the student continues on.
+"""distill.split.prefix_from (issue 23 item 1, training half): who prefills the prefix the student continues on.
 
 teacher (default): the full model's KV cache (SlimWise). student: the student's own prefill of seq[:s], WITH
 gradients, then its continuation on that cache; the teacher's targets are unchanged (the full model over the whole
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,7 @@ from omegaconf import OmegaConf
 from safetensors import safe_open
 from transformers import DynamicCache
 
-from slimwise_train.config import DistillConfig, check_distill_config
+from slimwise_train.config import DistillConfig, SplitConfig, check_distill_config
 from slimwise_train.distill import batches as B
 from slimwise_train.utils.hf import text_config
 from slimwise_train.distill.trainer import Trainer, run_train, validate_train_config
@@ -143,10 +144,11 @@ CASES = ([(family, "none") for family in SUPPORTED_TINY] + [(family, "layer") fo
 
 @pytest.mark.parametrize("family,recompute", CASES)
 def test_student_prefix_step_equals_the_reference_loss_and_gradient(family, recompute, tmp_path):
-    """One train_step with distill.prefix_from=student against the hand-written reference (literally: the student's
-    prefill into its own cache, then its continuation on it), on every family (full, sliding-window, MLA and
+    """One train_step with distill.split.prefix_from=student against the hand-written reference (literally: the
+    student's prefill into its own cache, then its continuation on it), on every family (full, sliding-window, MLA and
     linear-attention caches), without and with activation recompute (layer: decoder layers, moe: routed experts)."""
-    trainer = _family_trainer(tmp_path, family, "distill.prefix_from=student", f"distill.recompute={recompute}")
+    trainer = _family_trainer(tmp_path, family, "distill.split.prefix_from=student",
+                              f"distill.memory.recompute={recompute}")
     try:
         _perturb(trainer.student)
         detached, detached_grads, _ = _reference_grads(trainer, "student", prefix_grad=False)
@@ -178,7 +180,7 @@ def arms(tmp_path_factory):
     root = tmp_path_factory.mktemp("arms")
     built = {}
     for prefix_from in ("teacher", "student"):
-        trainer = _trainer(root / prefix_from, f"distill.prefix_from={prefix_from}")
+        trainer = _trainer(root / prefix_from, f"distill.split.prefix_from={prefix_from}")
         _perturb(trainer.student)
         built[prefix_from] = trainer
     yield built
@@ -216,26 +218,26 @@ def test_teacher_prefix_step_equals_its_reference_and_the_student_prefix_differs
 
 
 def test_the_key_is_typed_defaults_to_teacher_and_refuses_other_values(tmp_path):
-    assert DistillConfig.prefix_from == "teacher"
+    assert SplitConfig.prefix_from == "teacher"
     cfg = train_cfg(tmp_path)
-    assert cfg.distill.prefix_from == "teacher"
-    validate_train_config(train_cfg(tmp_path, "distill.prefix_from=student"))
-    with pytest.raises(ValueError, match=r"^distill.prefix_from='prefill' is not one of: teacher, student$"):
-        validate_train_config(train_cfg(tmp_path, "distill.prefix_from=prefill"))
+    assert cfg.distill.split.prefix_from == "teacher"
+    validate_train_config(train_cfg(tmp_path, "distill.split.prefix_from=student"))
+    with pytest.raises(ValueError, match=r"^distill.split.prefix_from='prefill' is not one of: teacher, student$"):
+        validate_train_config(train_cfg(tmp_path, "distill.split.prefix_from=prefill"))
     d = OmegaConf.structured(DistillConfig())
-    d.prefix_from = "both"
-    with pytest.raises(ValueError, match=r"^distill.prefix_from='both' is invalid: it must be one of teacher, "
-                                         r"student; e.g. distill.prefix_from=student$"):
+    d.split.prefix_from = "both"
+    with pytest.raises(ValueError, match=r"^distill.split.prefix_from='both' is invalid: it must be one of teacher, "
+                                         r"student; e.g. distill.split.prefix_from=student$"):
         check_distill_config(d)
 
 
 def test_run_records_it_and_resume_with_the_other_value_is_refused(tmp_path):
     out = tmp_path / "run"
-    first = run_train(train_cfg(out, "distill.prefix_from=student", "distill.max_steps=1", "distill.save_every=1",
-                               "distill.eval_every=1", "progress=false"))
+    first = run_train(train_cfg(out, "distill.split.prefix_from=student", *train_steps(1, save_every=1, eval_every=1),
+                                "progress=false"))
     assert first["prefix_from"] == "student"
     assert json.loads((out / "summary.json").read_text())["prefix_from"] == "student"
-    assert OmegaConf.load(out / "train_config.yaml").distill.prefix_from == "student"
+    assert OmegaConf.load(out / "train_config.yaml").distill.split.prefix_from == "student"
     state = json.loads((out / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
     assert state["prefix_from"] == "student"
     info = json.loads((out / "export" / "slimwise_export.json").read_text())
@@ -244,20 +246,58 @@ def test_run_records_it_and_resume_with_the_other_value_is_refused(tmp_path):
         assert json.loads(handle.metadata()["extra"])["prefix_from"] == "student"
 
     with pytest.raises(ValueError, match=r"cannot resume from .*step_000001: it was written with "
-                                         r"prefix_from=student \(now teacher\)"):
-        _trainer(out, "resume=auto", "distill.max_steps=2")
-    resumed = run_train(train_cfg(out, "resume=auto", "distill.prefix_from=student", "distill.max_steps=2",
-                                 "distill.export=false", "progress=false"))
+                                         r"distill\.split\.prefix_from=student \(now teacher\)"):
+        _trainer(out, "resume=auto", "distill.schedule.max_steps=2")
+    resumed = run_train(train_cfg(out, "resume=auto", "distill.split.prefix_from=student",
+                                  "distill.schedule.max_steps=2", "distill.export=false", "progress=false"))
     assert resumed["steps"] == 2 and resumed["steps_this_run"] == 1 and resumed["prefix_from"] == "student"
+
+
+def test_resume_with_other_loss_terms_is_refused(tmp_path):
+    """distill.loss.terms (names and weights) is the training objective too: the checkpoint records the terms that
+    are on, and a resume with others is refused in one line; a term added at weight 0 (off) is the same objective.
+    A checkpoint from before the record (no loss_terms) resumes unchecked."""
+    out = tmp_path / "run"
+    run_train(train_cfg(out, *train_steps(1, save_every=1, eval_every=1), "distill.export=false", "progress=false"))
+    state_file = out / "checkpoints" / "step_000001" / "trainer_state.json"
+    assert json.loads(state_file.read_text())["loss_terms"] == {"ce": 0.1, "kl": 0.9}
+
+    def resume(*overrides) -> str:
+        """The refusal, or "resumed at step <n>" (the trainer closed either way: the folder's lock is released)."""
+        trainer = Trainer(train_cfg(out, "distill.export=false", "progress=false", "resume=auto",
+                                    "distill.schedule.max_steps=2", *overrides))
+        try:
+            trainer.setup()
+            return f"resumed at step {trainer.step}"
+        except ValueError as exc:
+            return str(exc)
+        finally:
+            trainer.close()
+
+    refused = resume("distill.loss.terms.ce=0.5")
+    assert re.fullmatch(r"cannot resume from .*step_000001: it was written with distill\.loss\.terms=\{ce: 0\.1, kl: "
+                        r"0\.9\} \(now \{ce: 0\.5, kl: 0\.9\}\); use resume=never or another output folder",
+                        refused), refused
+    assert "distill.loss.terms={ce: 0.1, kl: 0.9} (now {ce: 0.1, full_kl: 0.9, kl: 0.9})" in resume(
+        "+distill.loss.terms.full_kl=0.9")
+    assert resume("+distill.loss.terms.full_kl=0") == "resumed at step 1"
+
+    from slimwise_train.distill.checkpoint import write_checksums
+
+    state = json.loads(state_file.read_text())
+    del state["loss_terms"]
+    state_file.write_text(json.dumps(state))
+    write_checksums(state_file.parent)  # as that older trainer wrote it
+    assert resume("distill.loss.terms.ce=0.5") == "resumed at step 1"
 
 
 @pytest.mark.subprocess
 def test_cli_run_with_the_student_prefix_completes(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "slimwise_train", "experiment=tiny_smoke", "distill.prefix_from=student",
-         "distill.max_steps=2", "distill.eval_every=2", "distill.save_every=2", "distill.export=false", "logger=none",
-         "progress=false", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "slimwise_train", "experiment=tiny_smoke", "distill.split.prefix_from=student",
+         *train_steps(2, log_every=None), "distill.export=false", "logger=none", "progress=false",
+         f"hydra.run.dir={tmp_path}"],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
@@ -282,9 +322,10 @@ def test_student_prefix_under_ddp_and_zero3_matches_one_process(tmp_path):
     from safetensors.torch import load_file
     from test_train_dist import launch, summary
 
-    common = [*TINY_TRAIN, "progress=false", *FAST_LR, *train_steps(4), "distill.grad_clip=0.05", "distill.export=false",
-              "distill.prefix_from=student", "resume=never"]
-    runs = {"ddp": ([], 2), "zero3": (["engine=zero3", "distill.recompute=moe"], 2), "one": (["distill.grad_accum=2"], 1)}
+    common = [*TINY_TRAIN, "progress=false", *FAST_LR, *train_steps(4), "distill.optim.grad_clip=0.05",
+              "distill.export=false", "distill.split.prefix_from=student", "resume=never"]
+    runs = {"ddp": ([], 2), "zero3": (["engine=zero3", "distill.memory.recompute=moe"], 2),
+            "one": (["distill.schedule.grad_accum=2"], 1)}
     for name, (extra, nproc) in runs.items():
         launch([*common, *extra, f"hydra.run.dir={tmp_path / name}"], nproc=nproc)
     losses = {name: [r["loss"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())

@@ -48,8 +48,8 @@ def test_the_tour_runs_as_written_with_small_counts(tmp_path):
     (tmp_path / "slimwise_train").symlink_to(REPO / "slimwise_train")
     tour = readme_block("## A five-minute tour", "bash")
     small = {
-        "experiment=demo": "experiment=demo distill.max_steps=12 distill.eval_every=6 distill.save_every=12 "
-                           "distill.eval_samples=8 data.num_samples=128",
+        "experiment=demo": "experiment=demo distill.schedule.max_steps=12 distill.eval.every=6 "
+                           "distill.checkpoint.every=12 distill.eval.samples=8 data.num_samples=128",
         "eval.student=outputs/train/teacher/reap-r0.5": "eval.student=outputs/train/teacher/reap-r0.5 "
                                                         "eval.num_per_family=3 progress=false",
         "--output_path outputs/lm_eval": "--output_path outputs/lm_eval --limit 3",

@@ -78,7 +78,7 @@ def test_recompute_actually_recomputes_and_leaves_no_trace():
 
 
 def test_unknown_recompute_mode_is_an_error():
-    with pytest.raises(ValueError, match="unknown distill.recompute 'all'; use one of none, moe, layer"):
+    with pytest.raises(ValueError, match="unknown distill.memory.recompute 'all'; use one of none, moe, layer"):
         _student("qwen3_moe", "all")
 
 
@@ -110,7 +110,7 @@ def test_teacher_single_pass_equals_two_passes(tmp_path):
 
 def test_teacher_single_pass_is_refused_for_sliding_window_caches(tmp_path):
     with pytest.raises(ValueError, match="teacher_single_pass=true needs full-attention KV caches"):
-        _trainer(tmp_path, "model=tiny_gpt_oss", "distill.teacher_single_pass=true")
+        _trainer(tmp_path, "model=tiny_gpt_oss", "distill.memory.teacher_single_pass=true")
 
 
 def test_zero3_only_knobs_are_refused_elsewhere(tmp_path):

@@ -1,4 +1,4 @@
-"""The no-module student (distill.shared_expert_mode=none, the default on the families without a shared slot).
+"""The no-module student (distill.student.shared_expert_mode=none, the default on the families without a shared slot).
 
 Qwen3-MoE, Mixtral, OLMoE and GPT-OSS have no shared slot of their own to widen, so by default (`auto` mode and the
 `auto` trainable preset) their student adds no module: router and norm deltas plus LoRA on the kept experts, all
@@ -146,12 +146,13 @@ def test_choices_come_from_the_schema_and_bad_values_are_one_line_errors(tmp_pat
         return compose_config("train", f"output_dir={tmp_path}", *overrides)
 
     default = cfg()
-    assert default.distill.trainable.name == "auto" and default.distill.shared_expert_mode == "auto"
+    assert default.distill.trainable.name == "auto" and default.distill.student.shared_expert_mode == "auto"
     assert StudentSpec.from_config(default.distill) == StudentSpec()  # one set of defaults
-    for override, message in (("distill.shared_expert_mode=shared", "distill.shared_expert_mode='shared' is not "
-                               "one of: auto, native, new, none"),
+    for override, message in (("distill.student.shared_expert_mode=shared",
+                               "distill.student.shared_expert_mode='shared' is not one of: auto, native, new, none"),
                               ("distill.trainable.name=lora", "distill.trainable.name='lora' is not one of"),
-                              ("distill.norm_scope=some", "distill.norm_scope='some' is not one of: all, layer")):
+                              ("distill.student.norm_scope=some",
+                               "distill.student.norm_scope='some' is not one of: all, layer")):
         with pytest.raises(ValueError, match=message) as error:
             validate_train_config(cfg(override))
         assert "\n" not in str(error.value)
@@ -169,8 +170,8 @@ def test_trainer_default_on_a_family_without_a_slot_exports_the_stock_class(tmp_
 
     from slimwise_train.distill.trainer import Trainer
 
-    cfg = train_cfg(tmp_path, "model=tiny_qwen3_moe", "distill.max_steps=3", "distill.eval_every=3",
-                   "distill.save_every=3")
+    cfg = train_cfg(tmp_path, "model=tiny_qwen3_moe", "distill.schedule.max_steps=3", "distill.eval.every=3",
+                   "distill.checkpoint.every=3")
     trainer = Trainer(cfg).setup()
     try:
         summary = trainer.train()
@@ -197,12 +198,12 @@ def test_resuming_a_run_of_another_student_is_a_one_line_error(tmp_path):
     otherwise fail with a KeyError (engine=torch) or load partly (DeepSpeed); with its student named it resumes."""
     from slimwise_train.distill.trainer import run_train
 
-    old = ["distill.shared_expert_mode=new", "distill/trainable=always_on"]
-    common = ["model=tiny_qwen3_moe", "distill.save_every=2", "distill.eval_every=100", "distill.export=false",
+    old = ["distill.student.shared_expert_mode=new", "distill/trainable=always_on"]
+    common = ["model=tiny_qwen3_moe", "distill.checkpoint.every=2", "distill.eval.every=100", "distill.export=false",
               "resume=auto"]
-    run_train(train_cfg(tmp_path, *common, *old, "distill.max_steps=2"))
-    with pytest.raises(ValueError, match="it trained another student.*distill.shared_expert_mode=new with "
+    run_train(train_cfg(tmp_path, *common, *old, "distill.schedule.max_steps=2"))
+    with pytest.raises(ValueError, match="it trained another student.*distill.student.shared_expert_mode=new with "
                                          "distill/trainable=always_on") as error:
-        run_train(train_cfg(tmp_path, *common, "distill.max_steps=4"))
+        run_train(train_cfg(tmp_path, *common, "distill.schedule.max_steps=4"))
     assert "\n" not in str(error.value)
-    assert run_train(train_cfg(tmp_path, *common, *old, "distill.max_steps=4"))["steps_this_run"] == 2
+    assert run_train(train_cfg(tmp_path, *common, *old, "distill.schedule.max_steps=4"))["steps_this_run"] == 2

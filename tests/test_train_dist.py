@@ -2,8 +2,8 @@
 
 All runs: tiny Qwen3-MoE (hidden 32, 8 experts top-2), 12 steps of 8 sequences, lr 2e-2, gradient clipping at
 0.05 so clipping is active and must agree across engines. The student is the new-expert one (routers, norms, a new
-shared expert: distill.shared_expert_mode=new, distill/trainable=always_on), with which the tolerances below were
-measured; the default on this family (LoRA on the kept experts) runs under ZeRO-3 and DDP in tests/test_lora.py.
+shared expert: distill.student.shared_expert_mode=new, distill/trainable=always_on), with which the tolerances below
+were measured; the default on this family (LoRA on the kept experts) runs under ZeRO-3 and DDP in tests/test_lora.py.
 The first DeepSpeed launch on a fresh machine JIT-builds its shm op into .cache/torch_extensions (~30-90 s once);
 later launches take a few seconds.
 
@@ -12,7 +12,7 @@ Tolerances between engines: same global batch and split points, same normalisati
 sequences, other micro-batch cuts, so other padding and summation order) 1.3e-5; Adam's normalisation magnifies
 tiny gradient differences on near-zero components. Asserted: 1e-5 relative on losses and grad norms, 1e-4
 absolute on the trained tensors (scale ~0.16; turning clipping off changes them by 6e-2, so a DeepSpeed run that
-ignored distill.grad_clip would fail).
+ignored distill.optim.grad_clip would fail).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from safetensors.torch import load_file
 from helpers import FAST_LR, REPO, TINY_TRAIN, compose_config, train_steps
 
 pytestmark = [pytest.mark.dist, pytest.mark.subprocess]
-COMMON = [*TINY_TRAIN, *FAST_LR, *train_steps(12), "distill.grad_clip=0.05", "distill.shared_expert_mode=new",
-          "distill/trainable=always_on"]
+COMMON = [*TINY_TRAIN, *FAST_LR, *train_steps(12), "distill.optim.grad_clip=0.05",
+          "distill.student.shared_expert_mode=new", "distill/trainable=always_on"]
 
 
 def _env():
@@ -73,7 +73,8 @@ def runs(tmp_path_factory):
         launch([*COMMON, f"engine={engine}", "prune.ratio=0.5", f"hydra.run.dir={root / engine}"])
         out[engine] = root / engine
     # ZeRO-3 as for a model bigger than one GPU: partitioned loading (the default) and MoE recompute.
-    launch([*COMMON, "engine=zero3", "distill.recompute=moe", "prune.ratio=0.5", f"hydra.run.dir={root / 'zero3_rc'}"])
+    launch([*COMMON, "engine=zero3", "distill.memory.recompute=moe", "prune.ratio=0.5",
+            f"hydra.run.dir={root / 'zero3_rc'}"])
     out["zero3_rc"] = root / "zero3_rc"
     return out
 
@@ -103,7 +104,7 @@ def test_engines_agree_with_each_other_and_with_one_process(runs, tmp_path):
     from slimwise_train.distill.trainer import run_train
 
     # One process, two accumulation micro-batches of 4: the same global batch of 8 as 2 ranks x 1 x 4.
-    cfg = compose_config("train", *COMMON, "prune.ratio=0.5", "distill.grad_accum=2", f"output_dir={tmp_path}",
+    cfg = compose_config("train", *COMMON, "prune.ratio=0.5", "distill.schedule.grad_accum=2", f"output_dir={tmp_path}",
                          "resume=never")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -151,7 +152,8 @@ def test_zero3_partitioned_export_reloads(runs):
 
 
 def test_sigkill_and_resume_match_the_uninterrupted_run_bitwise(tmp_path):
-    args = [*COMMON, "distill.max_steps=6", "distill.save_every=2", "distill.keep_checkpoints=5", "distill.eval_every=6"]
+    args = [*COMMON, "distill.schedule.max_steps=6", "distill.checkpoint.every=2", "distill.checkpoint.keep=5",
+            "distill.eval.every=6"]
     launch([*args, f"hydra.run.dir={tmp_path / 'straight'}"], nproc=1)
 
     run = tmp_path / "killed"
@@ -178,7 +180,8 @@ def test_sigkill_and_resume_match_the_uninterrupted_run_bitwise(tmp_path):
 
 
 def test_a_corrupt_newest_checkpoint_resumes_from_the_previous_one_bitwise(tmp_path):
-    args = [*COMMON, "distill.max_steps=6", "distill.save_every=2", "distill.keep_checkpoints=5", "distill.eval_every=6"]
+    args = [*COMMON, "distill.schedule.max_steps=6", "distill.checkpoint.every=2", "distill.checkpoint.keep=5",
+            "distill.eval.every=6"]
     launch([*args, f"hydra.run.dir={tmp_path / 'straight'}"], nproc=1)
     run = tmp_path / "corrupt"
     proc = launch([*args, f"hydra.run.dir={run}", "+extra.kill_after_step=5"], nproc=1, expect=None)
@@ -200,7 +203,7 @@ def test_killing_the_torchrun_parent_leaves_no_rank_alive(tmp_path):
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "slimwise_train",
-         *COMMON, "distill.max_steps=100000", "distill.save_every=100000", "distill.eval_every=100000",
+         *COMMON, "distill.schedule.max_steps=100000", "distill.checkpoint.every=100000", "distill.eval.every=100000",
          f"hydra.run.dir={tmp_path / 'run'}"], cwd=REPO, env=_env(), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True)
     ranks: list[int] = []

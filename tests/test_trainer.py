@@ -31,8 +31,8 @@ REPO = Path(__file__).resolve().parents[1]
 register_configs()
 
 SMALL = [
-    "experiment=tiny_smoke", "logger=none", "resume=never", "distill.lr=2e-2", "distill.warmup_steps=2",
-    "distill.eval_batches=2", "distill.log_every=1",
+    "experiment=tiny_smoke", "logger=none", "resume=never", "distill.optim.lr=2e-2", "distill.schedule.warmup_steps=2",
+    "distill.eval.batches=2", "distill.log_every=1",
 ]
 
 
@@ -52,8 +52,8 @@ def read_metrics(output_dir) -> list[dict]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    cfg = make_cfg(out, "distill.max_steps=16", "distill.eval_every=16", "distill.save_every=8", "logger=wandb",
-                   "logger.mode=offline")
+    cfg = make_cfg(out, "distill.schedule.max_steps=16", "distill.eval.every=16", "distill.checkpoint.every=8",
+                   "logger=wandb", "logger.mode=offline")
     trainer = Trainer(cfg).setup()
     summary = trainer.train()
     yield trainer, summary, out
@@ -85,7 +85,7 @@ def test_loss_falls_and_every_term_is_logged(trained):
     assert 0.0 < first["trainable_share"] < 0.25 and counts["lora"] > 0
     # The resolved config is saved with the run; W&B ran offline (no API key) into the run folder.
     saved = OmegaConf.load(out / "train_config.yaml")
-    assert saved.output_dir == str(out) and saved.distill.max_steps == 16
+    assert saved.output_dir == str(out) and saved.distill.schedule.max_steps == 16
     assert list((out / "wandb").glob("offline-run-*"))
 
 
@@ -224,7 +224,8 @@ def test_too_short_sequences_are_skipped_and_counted(tmp_path):
     from slimwise_train.data.loading import encode_all, load_pairs
     from slimwise_train.models import load_tokenizer
 
-    cfg = make_cfg(tmp_path, "distill.split_after_prompt=true", "distill.min_continuation=20", "data.seq_len=64")
+    cfg = make_cfg(tmp_path, "distill.split.split_after_prompt=true", "distill.split.min_continuation=20",
+                   "data.seq_len=64")
     trainer = Trainer(cfg).setup()
     try:
         encoded = encode_all(load_tokenizer(cfg.model), load_pairs(cfg.data), cfg.data)
@@ -235,7 +236,7 @@ def test_too_short_sequences_are_skipped_and_counted(tmp_path):
     finally:
         trainer.close()
     with pytest.raises(ValueError, match="too short to split"):
-        run_train(make_cfg(tmp_path / "all", "distill.min_continuation=1000"))
+        run_train(make_cfg(tmp_path / "all", "distill.split.min_continuation=1000"))
     assert not (tmp_path / "all" / "checkpoints").exists()
 
 
@@ -276,8 +277,8 @@ def test_unknown_config_key_is_a_clean_error(tmp_path):
 def test_nan_loss_skips_the_step_then_aborts_without_a_corrupt_checkpoint(tmp_path):
     # One non-finite step: skipped and counted, parameters untouched by it, the run finishes.
     out = tmp_path / "one"
-    summary = run_train(make_cfg(out, "distill.max_steps=3", "distill.save_every=1", "distill.keep_checkpoints=3"),
-                        hooks=FaultHooks(nan_at_steps=frozenset({2})))
+    summary = run_train(make_cfg(out, "distill.schedule.max_steps=3", "distill.checkpoint.every=1",
+                                 "distill.checkpoint.keep=3"), hooks=FaultHooks(nan_at_steps=frozenset({2})))
     assert summary["nan_skipped"] == 1 and summary["steps"] == 3
     ckpt = lambda s: load_file(str(out / "checkpoints" / f"step_{s:06d}" / "trainable.safetensors"))  # noqa: E731
     one, two, three = ckpt(1), ckpt(2), ckpt(3)
@@ -289,8 +290,8 @@ def test_nan_loss_skips_the_step_then_aborts_without_a_corrupt_checkpoint(tmp_pa
     # in the config, as a command line names them: FaultHooks.from_config.)
     out = tmp_path / "abort"
     with pytest.raises(NonFiniteLossError, match="2 consecutive steps with a non-finite loss"):
-        run_train(make_cfg(out, "distill.max_steps=5", "distill.save_every=1", "distill.max_nan_steps=2",
-                           "+extra.nan_at_steps=[2,3]"))
+        run_train(make_cfg(out, "distill.schedule.max_steps=5", "distill.checkpoint.every=1",
+                           "distill.schedule.max_nan_steps=2", "+extra.nan_at_steps=[2,3]"))
     # Step 2 was skipped (its checkpoint equals step 1), step 3 aborted before any write.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     one, two = ckpt_at(out, 1), ckpt_at(out, 2)
@@ -309,8 +310,8 @@ def test_adding_a_loss_term_is_one_function_and_one_config_entry(tmp_path):
         return torch.where(x.valid, d, torch.zeros_like(d)).sum()
 
     try:
-        summary = run_train(make_cfg(tmp_path, "+distill.loss.terms.logit_l2=0.01", "distill.max_steps=2",
-                                     "distill.eval_every=2", "distill.export=false"))
+        summary = run_train(make_cfg(tmp_path, "+distill.loss.terms.logit_l2=0.01", "distill.schedule.max_steps=2",
+                                     "distill.eval.every=2", "distill.export=false"))
     finally:
         TERMS.pop("logit_l2")
     steps = [r for r in read_metrics(tmp_path) if "loss" in r]
@@ -340,7 +341,8 @@ def test_a_trainer_from_components_plans_the_same_steps(trained):
         mine, theirs = other._micro_batches(step), trainer._micro_batches(step)
         assert mine[1] == theirs[1]
         assert all(torch.equal(a.cont_ids, b.cont_ids) for a, b in zip(mine[0], theirs[0]))
-    with pytest.raises(ValueError, match="global batch 4 is not world_size 1 x distill.grad_accum 1 x micro batch 2"):
+    with pytest.raises(ValueError, match="global batch 4 is not world_size 1 x distill.schedule.grad_accum 1 x micro "
+                                         "batch 2"):
         Trainer.from_components(trainer.cfg, student=trainer.student, engine=trainer.engine, plan=trainer.plan,
                                 tokenizer=trainer.tokenizer, device="cpu", micro_batch=2)
 
@@ -360,7 +362,7 @@ def ckpt_at(out, step):
 
 
 def test_eval_rows_are_held_out_of_the_training_split(tmp_path):
-    trainer = Trainer(make_cfg(tmp_path, "distill.eval_split=train", "distill.eval_samples=8")).setup()
+    trainer = Trainer(make_cfg(tmp_path, "distill.eval.split=train", "distill.eval.samples=8")).setup()
     try:
         train = {tuple(ids) for ids, _ in trainer.train_seqs}
         held_out = [tuple(ids) for ids, _ in trainer.eval_seqs]
@@ -394,7 +396,7 @@ def test_every_family_trains_through_the_trainer(family, tmp_path):
     KeepSet.from_kept(get_adapter(model).moe_layers(model), [[0, 2, 5, 7], [1, 3, 4, 6]],
                       model_type=model.config.model_type).save(path)
     summary = run_train(make_cfg(tmp_path / "out", f"model=tiny_{family}", f"prune.keep_set={path}",
-                                 "distill.max_steps=2", "distill.eval_every=100", "distill.export=false"))
+                                 "distill.schedule.max_steps=2", "distill.eval.every=100", "distill.export=false"))
     assert summary["steps"] == 2 and summary["frozen_unchanged"] is True
     assert all(h["loss"] == h["loss"] and h["loss"] > 0 for h in summary["history"])
     steps = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
@@ -406,8 +408,8 @@ def test_training_data_from_a_local_jsonl_through_datasets(tmp_path):
             for i in range(40)]
     path = tmp_path / "chat.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = make_cfg(tmp_path / "out", f"data.source={path}", "data.num_samples=32", "distill.eval_split=train",
-                   "distill.eval_samples=8", "distill.max_steps=2", "distill.export=false")
+    cfg = make_cfg(tmp_path / "out", f"data.source={path}", "data.num_samples=32", "distill.eval.split=train",
+                   "distill.eval.samples=8", "distill.schedule.max_steps=2", "distill.export=false")
     summary = run_train(cfg)
     assert summary["steps"] == 2 and summary["num_too_short"] == 0
     assert summary["tokens_seen"] > 0
@@ -417,8 +419,8 @@ def test_console_shows_mean_train_loss_and_held_out_loss_and_the_run_draws_its_l
     """Issue 26 item 6: one step's loss is noise (0.00004 to 0.75); the console shows the mean since its last line and
     the held-out loss at each eval; summary.json stays small (metrics.jsonl has every step); loss_curve.png."""
     with caplog.at_level("INFO", logger="slimwise"):
-        summary = run_train(make_cfg(tmp_path, "distill.max_steps=4", "distill.log_every=2", "distill.eval_every=2",
-                                     "distill.export=false"))
+        summary = run_train(make_cfg(tmp_path, "distill.schedule.max_steps=4", "distill.log_every=2",
+                                     "distill.eval.every=2", "distill.export=false"))
     means = [r.getMessage() for r in caplog.records if "train loss" in r.getMessage()]
     assert means and all("mean of" in m for m in means)
     assert "(ce" in means[-1] and "mean of 2 steps" in means[-1]

@@ -195,8 +195,8 @@ def _trainer(tmp_path, *overrides):
 def test_local_jsonl_with_the_default_eval_split_holds_out_disjoint_rows(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"Q{i}", "answer": f"A{i}"}) + "\n" for i in range(40)))
-    trainer = _trainer(tmp_path, f"data.source={rows}", "data.num_samples=30", "distill.eval_samples=8")
-    assert trainer.cfg.distill.eval_split != trainer.cfg.data.split
+    trainer = _trainer(tmp_path, f"data.source={rows}", "data.num_samples=30", "distill.eval.samples=8")
+    assert trainer.cfg.distill.eval.split != trainer.cfg.data.split
     train, held_out = trainer._load_pairs()
     assert len(train) == 30 and len(held_out) == 8 and not set(train) & set(held_out)
 
@@ -206,7 +206,7 @@ def test_a_named_split_that_repeats_training_rows_is_refused(tmp_path):
     rows.write_text("".join(json.dumps({"prompt": f"Q{i}", "answer": f"A{i}"}) + "\n" for i in range(40)))
     recipe = tmp_path / "pinned.yaml"  # a recipe whose source pins its split: every split reads the same rows
     recipe.write_text(f"name: pinned\nsources:\n  - path: {rows}\n    split: train\n")
-    trainer = _trainer(tmp_path, f"data.source={recipe}", "data.num_samples=30", "distill.eval_samples=8")
+    trainer = _trainer(tmp_path, f"data.source={recipe}", "data.num_samples=30", "distill.eval.samples=8")
     with pytest.raises(ValueError, match="held-out rows .* are also training rows"):
         trainer._load_pairs()
 

@@ -25,7 +25,7 @@ from slimwise_train.testing.tiny import tiny_model
 from helpers import CHILD_ENV as ENV
 from helpers import REPO, TINY_TRAIN, compose_config, train_steps
 
-SMALL = [*TINY_TRAIN, "progress=false", *train_steps(2), "distill.eval_samples=8", "data.num_samples=16"]
+SMALL = [*TINY_TRAIN, "progress=false", *train_steps(2), "distill.eval.samples=8", "data.num_samples=16"]
 SEED0 = "tiny:qwen3_moe:seed=0"  # models.model_identity of the default tiny_qwen3_moe preset
 UNIFORM = [[0, 2, 5, 7], [1, 3, 4, 6]]
 OTHER_UNIFORM = [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -233,18 +233,20 @@ def test_a_rerun_that_scores_another_keep_set_is_refused_before_the_data_loads(t
 
 
 @pytest.mark.parametrize("override, match", [
-    ("distill.lr=-1", r"distill.lr=-1.0 is invalid: it must be a finite number > 0; e.g. distill.lr=1e-4"),
-    ("distill.lr=0", r"distill.lr=0.0 is invalid"),
-    ("distill.lr=nan", r"distill.lr=nan is invalid"),
-    ("distill.max_steps=0", r"distill.max_steps=0 is invalid: it must be an integer >= 1"),
-    ("distill.eval_every=0", r"distill.eval_every=0 is invalid"),
-    ("distill.warmup_steps=-1", r"distill.warmup_steps=-1 is invalid"),
+    ("distill.optim.lr=-1",
+     r"distill.optim.lr=-1.0 is invalid: it must be a finite number > 0; e.g. distill.optim.lr=1e-4"),
+    ("distill.optim.lr=0", r"distill.optim.lr=0.0 is invalid"),
+    ("distill.optim.lr=nan", r"distill.optim.lr=nan is invalid"),
+    ("distill.schedule.max_steps=0", r"distill.schedule.max_steps=0 is invalid: it must be an integer >= 1"),
+    ("distill.eval.every=0", r"distill.eval.every=0 is invalid"),
+    ("distill.schedule.warmup_steps=-1", r"distill.schedule.warmup_steps=-1 is invalid"),
     ("distill.loss.terms.kl=-0.5", r"distill.loss.terms.kl=-0.5 is invalid: it must be a finite number >= 0"),
-    ("distill.min_lr_ratio=2", r"distill.min_lr_ratio=2.0 is invalid"),
-    ("distill.adam_beta2=1", r"distill.adam_beta2=1.0 is invalid"),
-    ("distill.weight_decay=-0.1", r"distill.weight_decay=-0.1 is invalid"),
-    ("distill.grad_clip=-1", r"distill.grad_clip=-1.0 is invalid"),
-    ("distill.shared_expert_intermediate_size=0", r"distill.shared_expert_intermediate_size=0 is invalid"),
+    ("distill.schedule.min_lr_ratio=2", r"distill.schedule.min_lr_ratio=2.0 is invalid"),
+    ("distill.optim.adam_beta2=1", r"distill.optim.adam_beta2=1.0 is invalid"),
+    ("distill.optim.weight_decay=-0.1", r"distill.optim.weight_decay=-0.1 is invalid"),
+    ("distill.optim.grad_clip=-1", r"distill.optim.grad_clip=-1.0 is invalid"),
+    ("distill.student.shared_expert_intermediate_size=0",
+     r"distill.student.shared_expert_intermediate_size=0 is invalid"),
     ("data.num_samples=0", r"data.num_samples=0 is invalid: it must be an integer >= 1"),
     ("calibration.seq_len=1", r"calibration.seq_len=1 is invalid: it must be an integer >= 2"),
 ])
@@ -302,7 +304,7 @@ def _cli_case(tmp_path, case):
     if case == "non_uniform_export":
         return [f"prune.keep_set={keep}"], "cannot be exported"
     if case == "lr":
-        return ["distill.lr=-1"], "distill.lr=-1.0 is invalid: it must be a finite number > 0"
+        return ["distill.optim.lr=-1"], "distill.optim.lr=-1.0 is invalid: it must be a finite number > 0"
     return [f"data.source={tmp_path / 'missing.jsonl'}"], "missing.jsonl is neither a recipe"
 
 

@@ -37,8 +37,8 @@ def test_every_file_of_a_prune_train_export_eval_lm_eval_run_honours_the_umask(t
          "prune.export_checkpoint=true", *small], cwd=work)
     keep = prune_dir / "keep_set.json"
     run(["slimwise_train", "experiment=tiny_smoke", f"model.path={ckpt}", "logger=none", f"prune.keep_set={keep}",
-         f"output_dir={train_dir}", f"hydra.run.dir={train_dir}", "distill.max_steps=4", "distill.save_every=2",
-         "distill.eval_every=2", "distill.eval_batches=1"], cwd=work)
+         f"output_dir={train_dir}", f"hydra.run.dir={train_dir}", "distill.schedule.max_steps=4",
+         "distill.checkpoint.every=2", "distill.eval.every=2", "distill.eval.batches=1"], cwd=work)
     assert (train_dir / "export" / "config.json").is_file()
     run(["slimwise_train.eval", f"model.path={ckpt}", f"eval.keep_sets=[{keep}]", f"eval.student={train_dir}",
          "eval.num_per_family=2", "eval.budget=8", "eval.save_generations=true", f"hydra.run.dir={work / 'eval'}",

@@ -87,7 +87,7 @@ def test_a_multirun_is_one_wandb_group_with_named_runs_and_sweep_summaries(tmp_p
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
         [sys.executable, "-m", "slimwise_train", "--multirun", "prune.ratio=0.25,0.5", "logger=wandb",
-         "logger.mode=offline", "experiment=tiny_smoke", "distill.max_steps=2", "distill.eval_batches=1",
+         "logger.mode=offline", "experiment=tiny_smoke", "distill.schedule.max_steps=2", "distill.eval.batches=1",
          "distill.export=false", "data.num_samples=32", "progress=false", f"prune.cache_dir={tmp_path / 'cache'}",
          f"hydra.sweep.dir={sweep}"],
         cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300,
@@ -101,7 +101,7 @@ def test_a_multirun_is_one_wandb_group_with_named_runs_and_sweep_summaries(tmp_p
         assert (run["name"], run["group"], run["job_type"]) == (f"reap-r{ratio}", group, "train")
         # The resolved config travels with the run, the group and name included.
         config = run["config"]
-        assert config["prune"]["ratio"] == float(ratio) and config["distill"]["max_steps"] == 2
+        assert config["prune"]["ratio"] == float(ratio) and config["distill"]["schedule"]["max_steps"] == 2
         assert config["output_dir"] == str(out)
         assert config["logger"]["group"] == group and config["logger"]["run_name"] == f"reap-r{ratio}"
         # The end-of-run summary: the same numbers as summary.json, held-out loss = 0.1 CE + 0.9 KL.

@@ -34,7 +34,7 @@ ENGINES = {  # name -> overrides
     "torch": ["engine=torch"],
     "zero2": ["engine=zero2"],
     "zero3": ["engine=zero3"],
-    "zero3_recompute": ["engine=zero3", "distill.recompute=moe"],
+    "zero3_recompute": ["engine=zero3", "distill.memory.recompute=moe"],
     "zero3_replicated_load": ["engine=zero3", "engine.partitioned_load=false"],
 }
 
@@ -92,9 +92,10 @@ def run_memory(args) -> dict:
         overrides = [f"model.path={folder}", f"prune.keep_set={keep_path}", *ENGINES[name],
                      f"output_dir={out_root / name}", "resume=never", "logger=none", "progress=false",
                      "data.source=synthetic", "data.num_samples=64", f"data.seq_len={args.seq_len}",
-                     f"data.batch_size={args.batch}", f"distill.max_steps={args.steps}", "distill.eval_every=100000",
-                     "distill.save_every=100000", "distill.eval_batches=1", "distill.eval_samples=8",
-                     "distill.export=false", "distill.check_frozen=false", "distill.warmup_steps=1"]
+                     f"data.batch_size={args.batch}", f"distill.schedule.max_steps={args.steps}",
+                     "distill.eval.every=100000", "distill.checkpoint.every=100000", "distill.eval.batches=1",
+                     "distill.eval.samples=8",
+                     "distill.export=false", "distill.check_frozen=false", "distill.schedule.warmup_steps=1"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
                "-m", "slimwise_train.bench.memory", "--child", str(report), *overrides]
         start = time.time()
@@ -209,11 +210,11 @@ def _child(report: str, overrides: list[str]) -> None:
         measured["held_bytes"] = held
         _reset_peak_rss()
         gathered["on"] = True
-        for step in range(int(cfg.distill.max_steps)):
+        for step in range(int(cfg.distill.schedule.max_steps)):
             trainer.train_step(step)
         gathered["on"] = False
         measured["step_peak"] = _peak_rss_bytes()
-        micro = int(cfg.distill.max_steps) * int(cfg.distill.grad_accum)
+        micro = int(cfg.distill.schedule.max_steps) * int(cfg.distill.schedule.grad_accum)
         measured["gathered_per_micro_batch"] = gathered["bytes"] / micro
         if torch.cuda.is_available():
             measured["cuda_max_allocated"] = torch.cuda.max_memory_allocated()

@@ -18,9 +18,10 @@ def _train_cfg(args: dict):
     """The trainer's config (distill defaults of the real schema, the loss knobs from the command line)."""
     from omegaconf import OmegaConf
 
-    from slimwise_train.config import DistillConfig, LossConfig
+    from slimwise_train.config import DistillConfig, LossConfig, ScheduleConfig
 
-    distill = DistillConfig(loss=LossConfig(top_k=args["loss_top_k"], chunk_size=args["chunk"]), grad_accum=1)
+    distill = DistillConfig(loss=LossConfig(top_k=args["loss_top_k"], chunk_size=args["chunk"]),
+                            schedule=ScheduleConfig(grad_accum=1))
     return OmegaConf.create({"distill": OmegaConf.structured(distill), "output_dir": ".", "seed": args["seed"]})
 
 
@@ -66,12 +67,12 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
     # shuffling repeats it at every step. split="random": the trainer's default rule, s ~ U{1..seq-2} per row (a
     # batch of few rows can land far from the mean). A fraction f: every row split at s = f * seq, by the rule with
     # min_split = s and min_continuation = seq - s (so lo = hi = s); 0.5 is the mean of the default rule, and equal
-    # splits are what length bucketing (bucket_windows) approximates in training.
+    # splits are what length bucketing (distill.split.bucket_windows) approximates in training.
     g = torch.Generator().manual_seed(args["seed"])
     pad = int(teacher.config.pad_token_id or 0)
     seqs = [(torch.randint(3, args["vocab"], (args["seq"],), generator=g).tolist(), 0) for _ in range(args["batch"])]
     if args["split"] == "random":
-        rule = B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
+        rule = B.SplitRule.from_config(d.split)
     else:
         at = min(max(round(float(args["split"]) * args["seq"]), 1), args["seq"] - 2)
         rule = B.SplitRule(min_split=at, min_continuation=args["seq"] - at)
@@ -86,13 +87,15 @@ def _train_build(args: dict, device, variants, after_teacher: Callable[[], None]
 
     def optimizer_step(params, optimizer):
         # What TorchEngine.step does: explicit clip, AdamW, zero grads.
-        torch.nn.utils.clip_grad_norm_(params, float(d.grad_clip) if float(d.grad_clip) > 0 else float("inf"))
+        clip = float(d.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     def adamw(params):
-        return torch.optim.AdamW(params, lr=float(d.lr), betas=(float(d.adam_beta1), float(d.adam_beta2)),
-                                 eps=float(d.adam_eps), weight_decay=float(d.weight_decay))
+        optim = d.optim
+        return torch.optim.AdamW(params, lr=float(optim.lr), betas=(float(optim.adam_beta1), float(optim.adam_beta2)),
+                                 eps=float(optim.adam_eps), weight_decay=float(optim.weight_decay))
 
     if "naive" in variants:
         missing = [name for name in objective.terms if name not in NAIVE_TERMS]

@@ -19,7 +19,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from slimwise_train.config import CONF_DIR, TrainAppConfig, check_known_keys, register_configs
+from slimwise_train.config import CONF_DIR, TrainAppConfig, check_known_keys, moved_key_message, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
 from slimwise_train.utils.rundir import die_with_launcher
@@ -40,7 +40,8 @@ def _quiet_other_ranks() -> None:
     root.setLevel(logging.WARNING)
 
 
-@hydra_app(CONF_DIR, "train", "slimwise_train", schema=TrainAppConfig, check=check_known_keys)
+@hydra_app(CONF_DIR, "train", "slimwise_train", schema=TrainAppConfig, check=check_known_keys,
+           moved=moved_key_message)
 def main(cfg: DictConfig) -> None:
     from slimwise_train.distill.trainer import NonFiniteLossError, run_train
 

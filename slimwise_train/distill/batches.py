@@ -1,8 +1,9 @@
 """Split points, bucketing and continuation batches for teacher-KV distillation.
 
-Every sequence x (n tokens, prompt + answer + EOS) gets its own split point s; the teacher prefills x[:s] and the
-student predicts the continuation x[s:] on the teacher's cache (distill.prefix_from=student: on the cache of its own
-prefill of x[:s]; the same split points and batches either way). Bounds (inclusive):
+Every sequence x (n tokens, prompt + answer + EOS) gets its own split point s (distill.split.*); the teacher
+prefills x[:s] and the student predicts the continuation x[s:] on the teacher's cache
+(distill.split.prefix_from=student: on the cache of its own prefill of x[:s]; the same split points and batches either
+way). Bounds (inclusive):
 
     s ~ U{lo, ..., hi},   lo = max(min_split, prompt_len if split_after_prompt else 0),   hi = n - min_continuation
 
@@ -15,7 +16,7 @@ epoch), never on RNG state, so a resumed run replays exactly the batches an unin
 global batch is seen whatever the split into ranks x accumulation micro-batches (1 x 2 and 2 x 1 see the same data).
 
 Waste control: student compute runs on continuation tokens only (the prefix is the teacher's; with
-distill.prefix_from=student the student also runs the left-padded prefixes). The remaining waste
+distill.split.prefix_from=student the student also runs the left-padded prefixes). The remaining waste
 is right padding of the continuations (logged as student_pad_share). Split points are drawn before batching and
 windows of `bucket_windows` global batches are sorted by continuation length before being cut into batches; inside
 a step the sequences are again sorted by continuation length before being cut into micro-batches. Packing several
@@ -35,17 +36,25 @@ from slimwise_train.distill.losses import IGNORE_INDEX
 
 @dataclass(frozen=True)
 class SplitRule:
+    """distill.split's bounds of the split point (min_split, min_continuation, split_after_prompt)."""
+
     min_split: int = 1
     min_continuation: int = 2
     after_prompt: bool = False
 
+    @classmethod
+    def from_config(cls, split_cfg) -> "SplitRule":
+        """The rule of `distill.split`."""
+        return cls(int(split_cfg.min_split), int(split_cfg.min_continuation), bool(split_cfg.split_after_prompt))
+
     def __post_init__(self):
         if self.min_split < 1:
-            raise ValueError(f"distill.min_split must be >= 1 (the teacher prefix needs a token), got {self.min_split}")
+            raise ValueError(f"distill.split.min_split must be >= 1 (the teacher prefix needs a token), "
+                             f"got {self.min_split}")
         if self.min_continuation < 2:
             raise ValueError(
-                f"distill.min_continuation must be >= 2 (a continuation of m tokens has m - 1 next-token targets), "
-                f"got {self.min_continuation}"
+                f"distill.split.min_continuation must be >= 2 (a continuation of m tokens has m - 1 next-token "
+                f"targets), got {self.min_continuation}"
             )
 
     def bounds(self, length: int, prompt_len: int) -> tuple[int, int]:
@@ -83,7 +92,7 @@ def split_generator(seed: int, epoch: int, stream: int) -> torch.Generator:
 class DataPlan:
     """Deterministic global batches with their split points, identical on every rank.
 
-    `global_batch` = world_size x grad_accum x micro_batch sequences per optimizer step. An epoch holds
+    `global_batch` = world_size x distill.schedule.grad_accum x micro_batch sequences per optimizer step. An epoch holds
     floor(N / global_batch) steps (the remainder is dropped for that epoch; the next epoch reshuffles).
     Per epoch: a random order (data seed), then windows of `bucket_windows` global batches; every sequence of a
     window draws its split point (split seed, epoch, window), the window is sorted by continuation length and cut
@@ -97,7 +106,8 @@ class DataPlan:
         if len(sequences) < global_batch:
             raise ValueError(
                 f"{len(sequences)} usable training sequences but one optimizer step needs {global_batch} "
-                "(world size x distill.grad_accum x data.batch_size); raise data.num_samples or lower the batch"
+                "(world size x distill.schedule.grad_accum x data.batch_size); raise data.num_samples or lower the "
+                "batch"
             )
         self.sequences = sequences
         self.rule = rule

@@ -7,7 +7,7 @@ Both engines implement `Engine` (the Protocol below), the whole surface the trai
 
     logits = engine.forward("teacher"|"student", input_ids=..., attention_mask=..., position_ids=..., past_key_values=...)
     engine.backward(loss, last_micro_batch)    # loss already normalised by the GLOBAL token count
-    grad_norm = engine.step()                   # clip (explicit distill.grad_clip), optimizer, scheduler, zero grads
+    grad_norm = engine.step()                   # clip (distill.optim.grad_clip), optimizer, scheduler, zero grads
     engine.skip_step()                          # drop this step's gradients (non-finite loss)
     engine.lr()                                 # the scheduler's current learning rate
     engine.trainable_state_dict()               # full (gathered) trainable tensors on CPU, every rank
@@ -73,8 +73,9 @@ def validate_engine_config(engine_cfg, distill_cfg) -> None:
                     "offload_params"):
             if engine_cfg.get(key, getattr(EngineConfig, key)) != getattr(EngineConfig, key):
                 raise ValueError(f"engine.{key} applies to engine=zero3 only (this run: engine={engine_cfg.name})")
-    if float(distill_cfg.grad_clip) < 0:
-        raise ValueError(f"distill.grad_clip must be >= 0 (0 disables clipping), got {distill_cfg.grad_clip}")
+    if float(distill_cfg.optim.grad_clip) < 0:
+        raise ValueError(f"distill.optim.grad_clip must be >= 0 (0 disables clipping), "
+                         f"got {distill_cfg.optim.grad_clip}")
 
 
 def resolve_precision(engine_cfg, device: torch.device) -> str:
@@ -111,12 +112,20 @@ def partitioned_loading(engine_cfg, distill_cfg, micro_batch_size: int, device: 
 
 
 def _optimizer_kwargs(distill_cfg) -> dict:
+    """AdamW's arguments from distill.optim."""
+    optim = distill_cfg.optim
     return {
-        "lr": float(distill_cfg.lr),
-        "betas": (float(distill_cfg.adam_beta1), float(distill_cfg.adam_beta2)),
-        "eps": float(distill_cfg.adam_eps),
-        "weight_decay": float(distill_cfg.weight_decay),
+        "lr": float(optim.lr),
+        "betas": (float(optim.adam_beta1), float(optim.adam_beta2)),
+        "eps": float(optim.adam_eps),
+        "weight_decay": float(optim.weight_decay),
     }
+
+
+def _schedule(distill_cfg):
+    """The learning-rate multiplier per step of distill.schedule (`lr_lambda`)."""
+    schedule = distill_cfg.schedule
+    return lr_lambda(int(schedule.warmup_steps), int(schedule.max_steps), float(schedule.min_lr_ratio))
 
 
 class Engine(Protocol):
@@ -170,7 +179,7 @@ class TorchEngine:
         self.world_size = du.world_size()
         self.named_params = module.trainable_named_parameters()
         self.params = [p for _, p in self.named_params]
-        self.grad_clip = float(distill_cfg.grad_clip)
+        self.grad_clip = float(distill_cfg.optim.grad_clip)
         if self.world_size > 1:
             # Buffers are frozen and identical on every rank: no sync per forward. DDP broadcasts rank 0's parameters
             # here, so all ranks start from the same trainable tensors.
@@ -180,10 +189,7 @@ class TorchEngine:
         else:
             self.wrapped = module
         self.optimizer = torch.optim.AdamW(self.params, **_optimizer_kwargs(distill_cfg))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lr_lambda(int(distill_cfg.warmup_steps), int(distill_cfg.max_steps), float(distill_cfg.min_lr_ratio)),
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(distill_cfg))
 
     def forward(self, phase: str, **kwargs):
         # The teacher needs no gradient bookkeeping, so it bypasses the DDP wrapper.
@@ -305,11 +311,11 @@ def deepspeed_config(engine_cfg, distill_cfg, micro_batch_size: int, device: tor
     opt = _optimizer_kwargs(distill_cfg)
     return {
         "train_micro_batch_size_per_gpu": int(micro_batch_size),
-        "gradient_accumulation_steps": int(distill_cfg.grad_accum),
+        "gradient_accumulation_steps": int(distill_cfg.schedule.grad_accum),
         "optimizer": {"type": "AdamW", "params": {"lr": opt["lr"], "betas": list(opt["betas"]), "eps": opt["eps"],
                                                   "weight_decay": opt["weight_decay"], "torch_adam": True}},
         # DeepSpeed 0.19 defaults gradient_clipping to 1.0; always set it from our config (0 = off).
-        "gradient_clipping": float(distill_cfg.grad_clip),
+        "gradient_clipping": float(distill_cfg.optim.grad_clip),
         "zero_optimization": zero,
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {"enabled": False},
@@ -410,13 +416,13 @@ class DeepSpeedZeroEngine:
         self.name = engine_cfg.name
         self.stage = zero_stage(engine_cfg)
         self.world_size = du.world_size()
-        self.grad_accum = int(distill_cfg.grad_accum)
+        self.grad_accum = int(distill_cfg.schedule.grad_accum)
         self.supports_partial_skip = self.grad_accum == 1
         self.module = module
         names = module.trainable_named_parameters()
         self.trainable_names = [n for n, _ in names]
         config = config or deepspeed_config(engine_cfg, distill_cfg, micro_batch_size, device, _hidden_size(module))
-        schedule = lr_lambda(int(distill_cfg.warmup_steps), int(distill_cfg.max_steps), float(distill_cfg.min_lr_ratio))
+        schedule = _schedule(distill_cfg)
         if self.stage == 3 and getattr(module, "lora", None) is not None:
             # Expert LoRA (distill/lora.py) reads its factors and the fused expert tensor outside those modules' own
             # forwards: ZeRO-3 gathers each wrapper whole, as one leaf, around its forward.

@@ -13,11 +13,11 @@ Two artefacts, written atomically by rank 0 at the end of training:
 
 Architecture of the exported checkpoint:
   * without a shared expert (shared_expert_mode=none, the default on the families without a slot of their own:
-    Qwen3-MoE, Mixtral, OLMoE, GPT-OSS; or distill.train_shared_expert=false) it is the stock class
+    Qwen3-MoE, Mixtral, OLMoE, GPT-OSS; or distill.student.train_shared_expert=false) it is the stock class
     (`AutoModelForCausalLM`, no project code), like `pruning.export_pruned`: routers and norms with their deltas
     folded, the default preset's LoRA merged into the kept experts;
-  * with the shared expert in the family's own slot (distill.shared_expert_mode=native; the default where there is
-    one) it is the stock class too: the slot's trained extra columns are concatenated into its weights (gate/up
+  * with the shared expert in the family's own slot (distill.student.shared_expert_mode=native; the default where there
+    is one) it is the stock class too: the slot's trained extra columns are concatenated into its weights (gate/up
     rows, down columns) and the adapter's config field grows to match (`shared_expert_intermediate_size`,
     DeepSeek-V3's `n_shared_experts`, Gemma 4's `intermediate_size`), so any engine that loads the family loads it;
   * with a new shared expert (shared_expert_mode=new, explicit only), no stock class has an ungated shared expert
@@ -315,7 +315,7 @@ def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Mo
 def export_student(student: DistillModel, output_dir: str | os.PathLike, tokenizer=None, overwrite: bool = True,
                    in_place: bool = False, prefix_from: str = "teacher") -> Path:
     """Write the distilled decoder as an HF checkpoint (see module docstring); returns the folder. `prefix_from`
-    (distill.prefix_from of the training run) is recorded in slimwise_export.json: which prefill it was trained
+    (distill.split.prefix_from of the training run) is recorded in slimwise_export.json: which prefill it was trained
     after, the teacher's (SlimWise) or its own (conventional + distill)."""
     # the teacher's cache fingerprint, read before LoRA is merged (attention LoRA changes the export's own attention
     # weights, not the cache the teacher writes for it): what the llama.cpp handoff checks (serve/gguf.py)
@@ -360,7 +360,7 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
         "prefill": ("the unpruned teacher prefills the prompt; this model decodes on its KV cache"
                     if prefix_from == "teacher" else
                     "trained to prefill the prompt itself and decode on its own KV cache "
-                    "(distill.prefix_from=student)"),
+                    "(distill.split.prefix_from=student)"),
         "prefix_from": prefix_from,
         "num_kept": list(student.keep_set.num_kept),
         "shared_expert": student.spec.shared_expert_mode if student.spec.train_shared_expert else None,

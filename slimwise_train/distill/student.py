@@ -15,7 +15,8 @@ hooks call them (as modules, so ZeRO-3 gathers their parameters; see engine.py) 
                  the plain (x_hat * w) and the zero-centred (x_hat * (1 + w): Qwen3-Next, Qwen3.5) forms alike, so
                  student out = stock out + x_hat * dw is the norm with weight w + dw. Norms before attention change
                  the K/V of the continuation tokens only; the prefix cache stays the teacher's (the SlimWise design;
-                 with distill.prefix_from=student the student prefills too, so they change its prefix K/V as well).
+                 with distill.split.prefix_from=student the student prefills too, so they change its prefix K/V as
+                 well).
 * shared expert  `SharedExpert` (gated MLP in the family's activation, down projection zero), placed by
                  `StudentSpec.shared_expert_mode` (auto, the default: native where the family has a slot of its
                  own, else none):
@@ -58,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from slimwise_train.config import DistillConfig, NormScope, Recompute, SharedExpertMode, TrainableConfig
+from slimwise_train.config import NormScope, Recompute, SharedExpertMode, StudentConfig, TrainableConfig
 from slimwise_train.distill.lora import (ADAPTER_FORMAT, ADAPTER_NAME, ALWAYS_ON_FILE, INFO_FILE, KEEP_SET_FILE,
                                          PEFT_PREFIX, StudentLora, lora_from_config, resolve_lora)
 from slimwise_train.moe.adapters import NATIVE_SLOT_FAMILIES, MoEAdapter, MoELayer, get_adapter
@@ -86,16 +87,16 @@ class StudentSpec:
     """Which parameter kinds train. `norm_scope`: all = every RMSNorm with a weight (incl. attention q/k norms),
     layer = only norms that are direct children of a decoder layer, plus the final norm.
 
-    The defaults are the config schema's (config.DistillConfig / TrainableConfig), so `StudentSpec()` is the student
+    The defaults are the config schema's (config.StudentConfig / TrainableConfig), so `StudentSpec()` is the student
     a default training run builds. DistillModel resolves the two autos per family (`resolved`) and records that."""
 
-    train_routers: bool = DistillConfig.train_routers
-    train_norms: bool = DistillConfig.train_norms
-    norm_scope: str = DistillConfig.norm_scope
-    train_shared_expert: bool = DistillConfig.train_shared_expert
+    train_routers: bool = StudentConfig.train_routers
+    train_norms: bool = StudentConfig.train_norms
+    norm_scope: str = StudentConfig.norm_scope
+    train_shared_expert: bool = StudentConfig.train_shared_expert
     shared_expert_intermediate_size: int | None = None  # None: the routed expert size
     # auto | native | new | none (see the module docstring); DistillModel resolves auto
-    shared_expert_mode: str = DistillConfig.shared_expert_mode
+    shared_expert_mode: str = StudentConfig.shared_expert_mode
     init_std: float = 0.02  # gate/up projections of the new shared expert
     seed: int = 0  # the shared expert init is drawn from its own generator, identical on every rank
     # distill.trainable's LoRA (lora.py): kind (experts | attention | auto), rank, alpha, targets; None: no LoRA
@@ -103,13 +104,15 @@ class StudentSpec:
 
     @classmethod
     def from_config(cls, distill_cfg, seed: int = 0) -> "StudentSpec":
+        """The spec of `distill` (its student group and trainable preset)."""
+        student = distill_cfg.student
         return cls(
-            train_routers=bool(distill_cfg.train_routers),
-            train_norms=bool(distill_cfg.train_norms),
-            norm_scope=str(distill_cfg.norm_scope),
-            train_shared_expert=bool(distill_cfg.train_shared_expert),
-            shared_expert_intermediate_size=distill_cfg.shared_expert_intermediate_size,
-            shared_expert_mode=str(distill_cfg.shared_expert_mode),
+            train_routers=bool(student.train_routers),
+            train_norms=bool(student.train_norms),
+            norm_scope=str(student.norm_scope),
+            train_shared_expert=bool(student.train_shared_expert),
+            shared_expert_intermediate_size=student.shared_expert_intermediate_size,
+            shared_expert_mode=str(student.shared_expert_mode),
             seed=seed,
             lora=lora_from_config(distill_cfg.get("trainable")),
         )
@@ -191,13 +194,15 @@ def resolve_shared_expert_mode(adapter: MoEAdapter, mode: str) -> str:
     """`native`, `new` or `none` for this family: auto picks native where the family has a slot of its own, else
     none (no added module, so the export stays the stock class)."""
     if mode not in SHARED_EXPERT_MODES:
-        raise ValueError(f"unknown distill.shared_expert_mode {mode!r}; use one of {', '.join(SHARED_EXPERT_MODES)}")
+        raise ValueError(f"unknown distill.student.shared_expert_mode {mode!r}; use one of "
+                         f"{', '.join(SHARED_EXPERT_MODES)}")
     if mode == "auto":
         return "native" if adapter.has_native_slot else "none"
     if mode == "native" and not adapter.has_native_slot:
-        raise ValueError(f"distill.shared_expert_mode=native: {adapter.family} has no shared-expert slot of its own "
-                         f"(only {', '.join(NATIVE_SLOT_FAMILIES)} do); use distill.shared_expert_mode=auto or none "
-                         "(stock-class export) or new (a new expert, exported with remote code)")
+        raise ValueError(f"distill.student.shared_expert_mode=native: {adapter.family} has no shared-expert slot of "
+                         f"its own (only {', '.join(NATIVE_SLOT_FAMILIES)} do); use "
+                         "distill.student.shared_expert_mode=auto or none (stock-class export) or new (a new expert, "
+                         "exported with remote code)")
     return mode
 
 
@@ -212,7 +217,7 @@ def find_norms(model: nn.Module, scope: str = "all") -> list[tuple[str, nn.Modul
     """RMSNorm modules with a weight (name order). Gated norms (linear attention: they take a gate input) and
     weightless norms (Gemma 4's router/v norms) are skipped."""
     if scope not in NORM_SCOPES:
-        raise ValueError(f"unknown distill.norm_scope {scope!r}; use one of {', '.join(NORM_SCOPES)}")
+        raise ValueError(f"unknown distill.student.norm_scope {scope!r}; use one of {', '.join(NORM_SCOPES)}")
     adapter = get_adapter(model)
     layers = adapter.decoder_layers(model)
     layer_ids = {id(layer) for layer in layers}
@@ -311,8 +316,8 @@ class DistillModel(nn.Module):
         spec = spec.resolved(self.adapter)
         keep_set.check_model(model, self.adapter)
         if not (spec.train_routers or spec.train_norms or spec.train_shared_expert or spec.lora):
-            raise ValueError("nothing to train: distill.train_routers and train_norms are false and there is neither a "
-                             "shared expert (train_shared_expert=false or shared_expert_mode=none) nor LoRA "
+            raise ValueError("nothing to train: distill.student.train_routers and train_norms are false and there is "
+                             "neither a shared expert (train_shared_expert=false or shared_expert_mode=none) nor LoRA "
                              "(distill/trainable=always_on)")
         self.model = model
         self.keep_set = keep_set
@@ -367,11 +372,11 @@ class DistillModel(nn.Module):
                 self.norm_names.append(name)
 
     def _install_recompute(self, mode: str) -> None:
-        """distill.recompute: none | moe (the routed experts of every MoE layer: their saved views of the fused
+        """distill.memory.recompute: none | moe (the routed experts of every MoE layer: their saved views of the fused
         expert tensors are what keeps gathered ZeRO-3 weights alive until backward) | layer (every decoder layer
         whose KV cache can be rewound; the others recompute their experts)."""
         if mode not in RECOMPUTE:
-            raise ValueError(f"unknown distill.recompute {mode!r}; use one of {', '.join(RECOMPUTE)}")
+            raise ValueError(f"unknown distill.memory.recompute {mode!r}; use one of {', '.join(RECOMPUTE)}")
         if mode == "none":
             return
 

@@ -3,15 +3,16 @@
 One optimizer step, top to bottom (`train_step`):
   1. the step's global batch (same on every rank) with one split point per sequence (a function of the seeds and
      the epoch only, see batches.DataPlan);
-  2. sequences sorted by continuation length, dealt to ranks, cut into grad_accum micro-batches;
+  2. sequences sorted by continuation length, dealt to ranks, cut into distill.schedule.grad_accum micro-batches;
   3. the global number of loss tokens (all ranks, all micro-batches) by one all-reduce: the loss denominator;
   4. per micro-batch: teacher prefill of the left-padded prefixes (no grad) -> cache; teacher continuation on a
      copy of the cache -> target logits; student continuation on the cache -> logits; loss; backward
-     (distill.prefix_from=student: the same teacher targets; the student runs its OWN prefill of the prefixes, with
-     gradients, and the continuation after it: one student forward over prefix + continuation, see
+     (distill.split.prefix_from=student: the same teacher targets; the student runs its OWN prefill of the prefixes,
+     with gradients, and the continuation after it: one student forward over prefix + continuation, see
      `_student_on_own_prefix`);
-  5. a non-finite loss on any rank skips the step on every rank (counted; max_nan_steps in a row abort);
-  6. clip (explicit), optimizer and scheduler step; metrics; checkpoint every save_every steps.
+  5. a non-finite loss on any rank skips the step on every rank (counted; distill.schedule.max_nan_steps in a row
+     abort);
+  6. clip (explicit), optimizer and scheduler step; metrics; checkpoint every distill.checkpoint.every steps.
 
 Only rank 0 writes files (DeepSpeed's per-rank optimizer partitions are the one exception, see checkpoint.py).
 Shapes: B rows, P prefix width, L continuation width, V vocabulary.
@@ -61,8 +62,8 @@ class NonFiniteLossError(RuntimeError):
 
 def validate_train_config(cfg) -> None:
     """Everything the config alone can show wrong, before anything is created or loaded (the first thing `setup`
-    does): unknown keys, values no run can use (distill.lr <= 0, zero steps, an unknown loss term or a negative weight,
-    ...), a data source that is neither a recipe, a local file or folder nor a hub id."""
+    does): unknown keys, values no run can use (distill.optim.lr <= 0, zero steps, an unknown loss term or a negative
+    weight, ...), a data source that is neither a recipe, a local file or folder nor a hub id."""
     from slimwise_train.data.loading import check_source
     from slimwise_train.prune.criteria import validate_prune_config
 
@@ -80,8 +81,15 @@ def validate_train_config(cfg) -> None:
         check_data_config(cfg.calibration, "calibration")
         check_source(cfg.calibration.source, "calibration")
     validate_engine_config(cfg.engine, d)
-    B.SplitRule(int(d.min_split), int(d.min_continuation), bool(d.split_after_prompt))
+    B.SplitRule.from_config(d.split)
     lora_from_config(d.trainable)  # a bad distill.trainable preset or override fails before the model loads
+
+
+def _shown(value) -> str:
+    """A value as the command line writes it (a dict of loss terms as {ce: 0.1, kl: 0.9})."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v:g}" if isinstance(v, float) else f"{k}: {v}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 def _digest(tensors) -> str:
@@ -169,10 +177,10 @@ class Trainer:
             self._check_exportable(self.keep_set, get_adapter(model), model.config)
             self._check_run_folder(self.keep_set)
         self.student = DistillModel(model, self.keep_set, StudentSpec.from_config(cfg.distill, seed=cfg.seed),
-                                    recompute=str(cfg.distill.recompute))
+                                    recompute=str(cfg.distill.memory.recompute))
         self.counts = self.student.parameter_counts()
         self.single_pass = self._teacher_single_pass()
-        log.info("prefix cache: %s (distill.prefix_from)", "the student's own prefill, with gradients"
+        log.info("prefix cache: %s (distill.split.prefix_from)", "the student's own prefill, with gradients"
                  if self._student_prefix() else "the teacher's prefill")
         # The same digest at the end proves the teacher unchanged. Unpartitioned it is taken now; partitioned, once
         # the engine can gather the parameters.
@@ -186,18 +194,18 @@ class Trainer:
         )
 
         # ---- data
-        self.rule = B.SplitRule(int(cfg.distill.min_split), int(cfg.distill.min_continuation),
-                                bool(cfg.distill.split_after_prompt))
+        self.rule = B.SplitRule.from_config(cfg.distill.split)
         train_pairs, eval_pairs = self._load_pairs()
         self.train_seqs, self.num_too_short = self._encode(train_pairs, cfg.data.split)
-        self.eval_seqs, self.num_eval_too_short = self._encode(eval_pairs, cfg.distill.eval_split)
+        self.eval_seqs, self.num_eval_too_short = self._encode(eval_pairs, cfg.distill.eval.split)
         if len(self.eval_seqs) < self.world_size:
             raise ValueError(f"{len(self.eval_seqs)} held-out sequences for {self.world_size} ranks; raise "
-                             "distill.eval_samples")
+                             "distill.eval.samples")
         micro_batch = int(cfg.data.batch_size)
-        plan = B.DataPlan(self.train_seqs, self.rule, self.world_size * int(cfg.distill.grad_accum) * micro_batch,
+        global_batch = self.world_size * int(cfg.distill.schedule.grad_accum) * micro_batch
+        plan = B.DataPlan(self.train_seqs, self.rule, global_batch,
                           data_seed=int(cfg.data.seed), split_seed=int(cfg.seed),
-                          bucket_windows=int(cfg.distill.bucket_windows), shuffle=bool(cfg.data.shuffle))
+                          bucket_windows=int(cfg.distill.split.bucket_windows), shuffle=bool(cfg.data.shuffle))
         self._use_plan(plan, micro_batch)
         self.data_fingerprint = hashlib.sha256(
             json.dumps([ids for ids, _ in self.train_seqs]).encode()).hexdigest()[:16]
@@ -224,7 +232,7 @@ class Trainer:
         self.sink.summary({
             "trainable_params": self.counts["trainable"], "total_params": self.counts["total"],
             "trainable_share": self.counts["trainable"] / self.counts["total"],
-            "num_too_short": self.num_too_short, "prefix_from": str(cfg.distill.prefix_from),
+            "num_too_short": self.num_too_short, "prefix_from": str(cfg.distill.split.prefix_from),
         })
         du.barrier()
         self.setup_seconds = time.perf_counter() - self.t_setup
@@ -247,24 +255,25 @@ class Trainer:
         return trainer
 
     def _use_plan(self, plan: B.DataPlan, micro_batch: int) -> None:
-        """The data plan and the batch sizes it implies (global = world_size x grad_accum x micro_batch)."""
+        """The data plan and the batch sizes it implies (global = world_size x distill.schedule.grad_accum x
+        micro_batch)."""
         self.plan, self.rule, self.train_seqs = plan, plan.rule, plan.sequences
-        self.micro_batch, self.grad_accum = micro_batch, int(self.cfg.distill.grad_accum)
+        self.micro_batch, self.grad_accum = micro_batch, int(self.cfg.distill.schedule.grad_accum)
         self.global_batch = plan.global_batch
         if self.global_batch != self.world_size * self.grad_accum * self.micro_batch:
             raise ValueError(f"the data plan's global batch {self.global_batch} is not world_size {self.world_size} x "
-                             f"distill.grad_accum {self.grad_accum} x micro batch {self.micro_batch}")
+                             f"distill.schedule.grad_accum {self.grad_accum} x micro batch {self.micro_batch}")
 
     def _load_pairs(self):
-        """(train pairs, held-out pairs), disjoint. When distill.eval_split is the training split, or the source is a
+        """(train pairs, held-out pairs), disjoint. When distill.eval.split is the training split, or the source is a
         local file or folder (which has no named splits), the held-out rows are cut off the end of one shuffled read,
         so they never appear in training. A separate split that shares rows with the training read is refused."""
         from slimwise_train.data.loading import has_named_splits, load_pairs
 
-        data_cfg, n_train, n_eval = self.cfg.data, int(self.cfg.data.num_samples), int(self.cfg.distill.eval_samples)
-        eval_split = self.cfg.distill.eval_split
+        data_cfg, n_train, n_eval = self.cfg.data, int(self.cfg.data.num_samples), int(self.cfg.distill.eval.samples)
+        eval_split = self.cfg.distill.eval.split
         if eval_split != data_cfg.split and not has_named_splits(data_cfg.source):
-            log.info("data %s has no named splits: holding out %d rows of it for distill.eval_split=%s",
+            log.info("data %s has no named splits: holding out %d rows of it for distill.eval.split=%s",
                      data_cfg.source, n_eval, eval_split)
         elif eval_split != data_cfg.split:
             train = load_pairs(data_cfg, key="data")
@@ -273,14 +282,14 @@ class Trainer:
             shared = sum(p in seen for p in held_out)
             if shared:
                 raise ValueError(
-                    f"{shared} of {len(held_out)} held-out rows (distill.eval_split={eval_split}) are also training "
-                    f"rows of split {data_cfg.split}; set distill.eval_split={data_cfg.split} to hold out rows of the "
+                    f"{shared} of {len(held_out)} held-out rows (distill.eval.split={eval_split}) are also training "
+                    f"rows of split {data_cfg.split}; set distill.eval.split={data_cfg.split} to hold out rows of the "
                     "training read instead")
             return train, held_out
         pairs = load_pairs(data_cfg, num_samples=n_train + n_eval, key="data")
         if len(pairs) <= n_eval:
             raise ValueError(f"data source {data_cfg.source!r} has {len(pairs)} rows, not enough to hold out "
-                             f"distill.eval_samples={n_eval} for evaluation")
+                             f"distill.eval.samples={n_eval} for evaluation")
         return pairs[:-n_eval], pairs[-n_eval:]
 
     def _encode(self, pairs, split: str):
@@ -444,8 +453,14 @@ class Trainer:
             "engine": self.cfg.engine.name,
             "frozen_digest": self.frozen_digest,
             "keep_set": self.keep_set.to_dict(),  # a rerun of this folder with another keep set is refused
-            "prefix_from": str(self.cfg.distill.prefix_from),  # another training objective: resume is refused
+            "prefix_from": str(self.cfg.distill.split.prefix_from),  # another training objective: resume is refused
+            "loss_terms": self._loss_terms(),  # another objective too (distill.loss.terms)
         }
+
+    def _loss_terms(self) -> dict[str, float]:
+        """distill.loss.terms as trained: {name: weight} of the terms on (a weight of 0 is off, the same as absent)."""
+        terms = OmegaConf.select(self.cfg, "distill.loss.terms", default=None) or {}
+        return {str(name): float(weight) for name, weight in sorted(dict(terms).items()) if float(weight) != 0}
 
     def _resume(self, path: Path) -> None:
         state = json.loads((path / "trainer_state.json").read_text())
@@ -459,20 +474,27 @@ class Trainer:
             raise ValueError(
                 f"cannot resume from {path}: it trained another student ({len(saved - mine)} tensors not in this one, "
                 f"e.g. {sorted(saved - mine)[:1]}; {len(mine - saved)} missing, e.g. {sorted(mine - saved)[:1]}); "
-                "set distill.shared_expert_mode and distill/trainable to what that run trained (before the no-module "
-                "default, auto on a family without a slot meant distill.shared_expert_mode=new with "
+                "set distill.student.shared_expert_mode and distill/trainable to what that run trained (before the "
+                "no-module default, auto on a family without a slot meant distill.student.shared_expert_mode=new with "
                 "distill/trainable=always_on), or use resume=never"
             )
-        expected = [("global_batch", self.global_batch), ("data_fingerprint", self.data_fingerprint),
-                    ("engine", self.cfg.engine.name), ("prefix_from", str(self.cfg.distill.prefix_from))]
+        # (name in the error, key in trainer_state.json, this run's value): the state's keys stay those of the
+        # checkpoints already written (prefix_from, not the config path distill.split.prefix_from).
+        expected = [("global_batch", "global_batch", self.global_batch),
+                    ("data_fingerprint", "data_fingerprint", self.data_fingerprint),
+                    ("engine.name", "engine", self.cfg.engine.name),
+                    ("distill.split.prefix_from", "prefix_from", str(self.cfg.distill.split.prefix_from))]
+        if "loss_terms" in state:  # checkpoints from before it was recorded: unknown, not checked
+            expected.append(("distill.loss.terms", "loss_terms", self._loss_terms()))
         if self.frozen_digest is not None and state.get("frozen_digest") is not None:
-            expected.append(("frozen_digest", self.frozen_digest))  # another teacher (or other weights)
-        # Checkpoints from before distill.prefix_from existed were all trained on the teacher's prefix cache.
+            expected.append(("frozen_digest", "frozen_digest", self.frozen_digest))  # another teacher (or weights)
+        # Checkpoints from before distill.split.prefix_from existed were all trained on the teacher's prefix cache.
         state = {"prefix_from": "teacher", **state}
-        mismatch = [(k, state.get(k), v) for k, v in expected if state.get(k) != v]
+        mismatch = [(name, _shown(state.get(k)), _shown(v)) for name, k, v in expected if state.get(k) != v]
         if mismatch:
             raise ValueError(
-                f"cannot resume from {path}: it was written with " + ", ".join(f"{k}={a} (now {b})" for k, a, b in mismatch)
+                f"cannot resume from {path}: it was written with "
+                + ", ".join(f"{name}={a} (now {b})" for name, a, b in mismatch)
                 + "; use resume=never or another output folder"
             )
         state = load_checkpoint(path, self.engine)
@@ -495,25 +517,25 @@ class Trainer:
         """One teacher forward over prefix + continuation, then the cache cropped to the prefix: exact for full
         attention (a causal forward over prefix + continuation computes the prefix's K/V as the prefix pass does);
         sliding-window and linear-attention cache layers cannot be cropped back, so they keep the two passes."""
-        wanted = self.cfg.distill.teacher_single_pass
+        wanted = self.cfg.distill.memory.teacher_single_pass
         kinds = set(cache_layer_kinds(self.student.model))
         possible = kinds == {"DynamicLayer"}
         if wanted and not possible:
-            raise ValueError(f"distill.teacher_single_pass=true needs full-attention KV caches, this model has "
-                             f"{', '.join(sorted(kinds))}; use distill.teacher_single_pass=null")
+            raise ValueError(f"distill.memory.teacher_single_pass=true needs full-attention KV caches, this model has "
+                             f"{', '.join(sorted(kinds))}; use distill.memory.teacher_single_pass=null")
         return possible if wanted is None else bool(wanted)
 
     def _student_prefix(self) -> bool:
-        """distill.prefix_from=student: the student prefills the prefix itself (read from the config, so a trainer
+        """distill.split.prefix_from=student: the student prefills the prefix itself (read from the config, so a trainer
         assembled without setup(), as bench/train.py does, follows it too)."""
-        return str(self.cfg.distill.get("prefix_from", "teacher")) == "student"
+        return str(OmegaConf.select(self.cfg, "distill.split.prefix_from", default="teacher")) == "student"
 
     def _forward_pair(self, batch: B.ContinuationBatch):
         """Teacher target logits and student logits [B, L, V] for one micro-batch (student keeps its graph).
 
         The teacher's targets are the full model over the whole sequence, computed the same way whatever
-        distill.prefix_from says (one pass over prefix + continuation, or prefill then continuation), so both settings
-        train on bit-identical targets. The prefix the student continues on:
+        distill.split.prefix_from says (one pass over prefix + continuation, or prefill then continuation), so both
+        settings train on bit-identical targets. The prefix the student continues on:
           teacher: the teacher's prefill (no grad) -> KV cache, the SlimWise handoff;
           student: the student's own: see `_student_on_own_prefix`.
         """
@@ -553,8 +575,8 @@ class Trainer:
         return teacher_logits, student_logits
 
     def _student_on_own_prefix(self, batch: B.ContinuationBatch) -> torch.Tensor:
-        """distill.prefix_from=student: the student's logits [B, L, V] on the continuation after its OWN prefill of the
-        prefix, with gradients through that prefill.
+        """distill.split.prefix_from=student: the student's logits [B, L, V] on the continuation after its OWN prefill
+        of the prefix, with gradients through that prefill.
 
         Computed as ONE causal student forward over the left-padded prefix + right-padded continuation (no cache, the
         last L logits kept): the K/V it computes for the prefix positions are exactly the ones the student's prefill
@@ -631,30 +653,31 @@ class Trainer:
         if not self.engine.supports_partial_skip:
             raise NonFiniteLossError(
                 f"non-finite loss at step {step + 1} (micro-batch {micro_index}) with engine={self.cfg.engine.name} "
-                f"and distill.grad_accum={self.grad_accum}: DeepSpeed cannot drop a partly accumulated step, so the "
-                "run stops here; the last complete checkpoint is untouched (lower distill.lr or use grad_accum=1)"
+                f"and distill.schedule.grad_accum={self.grad_accum}: DeepSpeed cannot drop a partly accumulated step, "
+                "so the run stops here; the last complete checkpoint is untouched (lower distill.optim.lr or use "
+                "distill.schedule.grad_accum=1)"
             )
         self.engine.skip_step()
         self.nan_streak += 1
         self.nan_skipped += 1
         log.warning("step %d: non-finite loss, step skipped (%d in a row, limit %d)", step + 1, self.nan_streak,
-                    self.cfg.distill.max_nan_steps)
-        if self.nan_streak >= int(self.cfg.distill.max_nan_steps):
+                    self.cfg.distill.schedule.max_nan_steps)
+        if self.nan_streak >= int(self.cfg.distill.schedule.max_nan_steps):
             raise NonFiniteLossError(
-                f"{self.nan_streak} consecutive steps with a non-finite loss (distill.max_nan_steps="
-                f"{self.cfg.distill.max_nan_steps}); stopping. The last complete checkpoint is untouched; lower "
-                "distill.lr or distill.grad_clip, or check the data"
+                f"{self.nan_streak} consecutive steps with a non-finite loss (distill.schedule.max_nan_steps="
+                f"{self.cfg.distill.schedule.max_nan_steps}); stopping. The last complete checkpoint is untouched; "
+                "lower distill.optim.lr or distill.optim.grad_clip, or check the data"
             )
         return {"nan_skipped": self.nan_skipped, "skipped": 1}
 
     # ================================================================== evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Held-out loss with fixed split points (stream 1 of the split seed), up to eval_batches per rank.
+        """Held-out loss with fixed split points (stream 1 of the split seed), up to distill.eval.batches per rank.
 
         Every rank gets the same number of sequences (ZeRO-3 forwards are collective), dealt round-robin."""
         splits = B.sample_splits(self.eval_seqs, self.rule, B.split_generator(int(self.cfg.seed), 0, stream=1))
-        per_rank = min(int(self.cfg.distill.eval_batches) * self.micro_batch, len(self.eval_seqs) // self.world_size)
+        per_rank = min(int(self.cfg.distill.eval.batches) * self.micro_batch, len(self.eval_seqs) // self.world_size)
         mine = list(range(self.rank, len(self.eval_seqs), self.world_size))[:per_rank]
         sums: dict[str, float] = {}
         tokens = 0.0
@@ -676,7 +699,7 @@ class Trainer:
     # ================================================================== loop
     def train(self) -> dict:
         cfg, d = self.cfg, self.cfg.distill
-        max_steps = int(d.max_steps)
+        max_steps = int(d.schedule.max_steps)
         self.sink.log(self.step, {"trainable_params": self.counts["trainable"],
                                   "trainable_share": self.counts["trainable"] / self.counts["total"],
                                   "num_too_short": self.num_too_short})
@@ -717,12 +740,12 @@ class Trainer:
                                  len(window_losses), metrics.get("grad_norm", float("nan")), metrics["lr"],
                                  metrics["student_pad_share"], metrics["cont_tokens_per_s"])
                         window_losses = []
-                if self.step % int(d.eval_every) == 0 or self.step == max_steps:
+                if self.step % int(d.eval.every) == 0 or self.step == max_steps:
                     self._log_eval()
-                if self.step % int(d.save_every) == 0 or self.step == max_steps:
+                if self.step % int(d.checkpoint.every) == 0 or self.step == max_steps:
                     hook = self.hooks.before_checkpoint_publish(self.step) if du.is_rank0() else None
                     save_checkpoint(self.checkpoint_root, self.step, self.engine, self._trainer_state(),
-                                    int(d.keep_checkpoints), before_rename=hook)
+                                    int(d.checkpoint.keep), before_rename=hook)
                 self.hooks.after_step(self.step)
         train_seconds = time.perf_counter() - t_train
         return self._finish(history, train_seconds, first_step, step_seconds)
@@ -761,8 +784,8 @@ class Trainer:
             # Every rank's own copy of the trainable tensors (gathered under ZeRO-3): they must all agree.
             "rank_trainable_digests": gather_objects(_digest(sorted(trainable.items()))),
             "keep_set": list(self.keep_set.num_kept),
-            # who prefilled the prefix in training (distill.prefix_from): tells the two trainings apart for evals
-            "prefix_from": str(self.cfg.distill.prefix_from),
+            # who prefilled the prefix in training (distill.split.prefix_from): tells the two trainings apart for evals
+            "prefix_from": str(self.cfg.distill.split.prefix_from),
             "history": history,  # returned to callers; summary.json leaves it out (metrics.jsonl has every step)
         }
         if du.is_rank0() and self.cfg.distill.export:
@@ -793,7 +816,7 @@ class Trainer:
         from slimwise_train.distill.export import export_student, load_trainable, save_trainable
 
         spec = self.student.spec
-        prefix_from = str(self.cfg.distill.prefix_from)
+        prefix_from = str(self.cfg.distill.split.prefix_from)
         path = save_trainable(self.output_dir / "student_trainable.safetensors", trainable, self.keep_set, spec,
                               self.student.model.config.model_type,
                               extra={"steps": self.step, "prefix_from": prefix_from})

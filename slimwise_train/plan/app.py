@@ -1,12 +1,12 @@
 """`python -m slimwise_train.plan`: per-GPU memory of one distillation step, by component, before launching it.
 
     python -m slimwise_train.plan model=qwen3_moe_30b_a3b engine=zero3 world_size=8 data.seq_len=4096
-    python -m slimwise_train.plan model=gpt_oss_20b engine=zero3 world_size=4 gpu_memory_gib=192 distill.recompute=moe
+    python -m slimwise_train.plan model=gpt_oss_20b engine=zero3 world_size=4 gpu_memory_gib=192 distill.memory.recompute=moe
     python -m slimwise_train.plan model=bench_memory device=cpu world_size=2 engine=zero3 data.batch_size=2
 
 Prints a table (per rank: frozen weights, trainable + grads + AdamW, DeepSpeed buckets, logits and loss scratch, KV
 cache, activations, ZeRO-3 gathers, framework baseline; total; whether it fits gpu_memory_gib), what a heavier
-distill.recompute would plan when it does not fit, and writes the plan as JSON to <hydra run dir>/plan.json
+distill.memory.recompute would plan when it does not fit, and writes the plan as JSON to <hydra run dir>/plan.json
 (`json_only=true`: only the JSON, as one line on stdout). Nothing is downloaded and no weight is allocated: the model is built on the meta
 device from model.architecture (the real presets ship their config.json), a tiny preset, or a local model.path.
 """
@@ -22,6 +22,7 @@ from slimwise_train.config import (
     CONF_DIR,
     PlanAppConfig,
     check_known_keys,
+    moved_key_message,
     register_configs,
 )
 from slimwise_train.utils.cli import hydra_app, user_errors
@@ -57,14 +58,14 @@ def fitting_alternatives(cfg) -> list[str]:
     from slimwise_train.plan.memory import plan_from_config
 
     order = ["none", "moe", "layer"]
-    current = str(cfg.distill.recompute)
+    current = str(cfg.distill.memory.recompute)
     lines = []
     for mode in order[order.index(current) + 1:] if current in order else []:
         other = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-        other.distill.recompute = mode
+        other.distill.memory.recompute = mode
         alt = plan_from_config(other)
         verdict = "fits" if alt.fits else "does not fit either"
-        lines.append(f"with distill.recompute={mode}: {alt.total_bytes / 2**30:.1f} GiB per rank ({verdict})")
+        lines.append(f"with distill.memory.recompute={mode}: {alt.total_bytes / 2**30:.1f} GiB per rank ({verdict})")
     if lines:
         lines.insert(0, "what would fit (recompute trades step time for activation memory; docs/planning.md):")
     return lines
@@ -74,7 +75,7 @@ register_configs()
 
 
 @hydra_app(CONF_DIR, "plan", "slimwise_train.plan", set_threads=False, schema=PlanAppConfig,
-           check=check_known_keys)
+           check=check_known_keys, moved=moved_key_message)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

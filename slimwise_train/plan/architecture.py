@@ -242,7 +242,8 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
         for module in layer.modules():
             owner[id(module)] = i
     final_width = 0
-    for name, norm in find_norms(model, str(distill_cfg.norm_scope)) if distill_cfg.train_norms else []:
+    student_cfg = distill_cfg.student
+    for name, norm in find_norms(model, str(student_cfg.norm_scope)) if student_cfg.train_norms else []:
         index = owner.get(id(norm))
         if index is None:
             if norm is getattr(model.get_decoder(), "norm", None):

@@ -4,8 +4,8 @@
         --moe-intermediate 64 --vocab 4096 --seq-len 128 --engines torch,zero2,zero3
 
 The bench's own command trains on the synthetic suite split at random points: its micro-batches are a few dozen
-tokens wide (the 240M run's were 3-61 continuation tokens). Here `distill.min_continuation = seq_len - 1` keeps only
-the synthetic rows at least `--seq-len` tokens long (cut to it; 1024 rows are read to find enough) and puts every
+tokens wide (the 240M run's were 3-61 continuation tokens). Here `distill.split.min_continuation = seq_len - 1` keeps
+only the synthetic rows at least `--seq-len` tokens long (cut to it; 1024 rows are read to find enough) and puts every
 split at s = 1, so each micro-batch is exactly the planner's worst case: a 1-token prefix and a (seq_len - 1)-token
 continuation. Everything else (the checkpoint, the keep set, the child that measures per-rank RSS with VmHWM reset
 between phases, the synthetic data source) is the bench's.
@@ -34,10 +34,11 @@ def bench_overrides(args, folder: Path, keep_path: Path, out: Path, engine: str)
 
     return [f"model.path={folder}", f"prune.keep_set={keep_path}", *ENGINES[engine], f"output_dir={out / engine}",
             "resume=never", "logger=none", "progress=false", "data.source=synthetic", "data.num_samples=1024",
-            f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}", f"distill.max_steps={args.steps}",
-            f"distill.min_continuation={args.seq_len - 1}", "distill.eval_every=100000", "distill.save_every=100000",
-            "distill.eval_batches=1", "distill.eval_split=train", "distill.eval_samples=128", "distill.export=false",
-            "distill.check_frozen=false", "distill.warmup_steps=1"]
+            f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}", f"distill.schedule.max_steps={args.steps}",
+            f"distill.split.min_continuation={args.seq_len - 1}", "distill.eval.every=100000",
+            "distill.checkpoint.every=100000", "distill.eval.batches=1", "distill.eval.split=train",
+            "distill.eval.samples=128", "distill.export=false", "distill.check_frozen=false",
+            "distill.schedule.warmup_steps=1"]
 
 
 def measure(args) -> dict:

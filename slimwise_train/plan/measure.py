@@ -61,7 +61,7 @@ def saved_activations(model_cfg, prune_cfg, distill_cfg, batch: int, prefix: int
     adapter = get_adapter(model)
     keep_set = keep_set_from_scores(model, None, prune_cfg.ratio, prune_cfg.scope, adapter=adapter)
     student = DistillModel(model, keep_set, StudentSpec.from_config(distill_cfg), adapter=adapter,
-                           recompute=str(distill_cfg.recompute))
+                           recompute=str(distill_cfg.memory.recompute))
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, prefix + continuation), generator=generator)

@@ -16,8 +16,8 @@ the KV cache (prefix + continuation) and, under ZeRO-3, the gathered weights are
                         + the loss's fp32 scratch block [rows, V] and per-row statistics (distill/losses.py)
   kv_cache              prefix + continuation keys/values per layer kind (full, sliding window, MLA latent,
                         linear-attention state)
-  activations           what the student's forward saves for backward (distill.recompute none | moe | layer), plus
-                        one layer's worth of backward working memory
+  activations           what the student's forward saves for backward (distill.memory.recompute none | moe |
+                        layer), plus one layer's worth of backward working memory
   zero3_gathered        zero3: the largest module gathered whole + the prefetch bucket; with recompute=none also
                         every MoE layer's gathered expert tensors, which transformers' expert code keeps alive
                         through views until backward (docs/scale.md)
@@ -119,7 +119,7 @@ class Plan:
         unit, div = ("GiB", GIB) if self.device != "cpu" else ("MiB", MIB)
         title = (f"memory plan: {self.model}, engine={self.engine}, {self.world_size} rank(s), {self.device} "
                  f"{self.dtype}, micro batch {self.shape.batch} x ({self.shape.prefix} prefix + "
-                 f"{self.shape.continuation} continuation tokens), distill.recompute={self.recompute}")
+                 f"{self.shape.continuation} continuation tokens), distill.memory.recompute={self.recompute}")
         rows = [title, f"{'component':<28}{'per rank (' + unit + ')':>18}   what"]
         for name in COMPONENTS:
             if name in self.components:
@@ -208,7 +208,7 @@ def moe_saved_bytes(layer: LayerShape, tokens: int, hidden: int, s: int, recompu
     and [H] output; the router's fp32 probabilities and indices; the student's shared expert; with LoRA on the experts,
     the parametrised tensors W + s B A (peft's baddbmm makes a new [E, out, in] tensor per forward, and the expert
     code saves it for backward) and each adapted matmul's per-slot input ([H] for gate_up_proj, [I] for down_proj:
-    saved once the weight needs a gradient). Under distill.recompute=moe only the block's input and the router's
+    saved once the weight needs a gradient). Under distill.memory.recompute=moe only the block's input and the router's
     outputs stay."""
     T, E, k = tokens, layer.experts, layer.top_k
     router = T * (2 * E * 4 + 3 * k * 8 + 2 * k * 4 + E * 1)
@@ -354,7 +354,8 @@ def validate_plan_config(cfg) -> None:
     """Every value of conf/plan.yaml the config alone shows wrong, in one line naming the key and the valid range:
     run first by `plan_from_config`, before the architecture is read or the meta model is built. The model's own
     limit (data.seq_len <= max_position_embeddings) is checked next, from its config alone (`check_seq_len`). The
-    closed choices (engine.name, distill.recompute, device, ...) are the schema's Literal fields: check_known_keys."""
+    closed choices (engine.name, distill.memory.recompute, device, ...) are the schema's Literal fields:
+    check_known_keys."""
     from slimwise_train.config import PlanAppConfig, check_distill_config, check_known_keys
     from slimwise_train.distill.batches import SplitRule
     from slimwise_train.distill.engine import validate_engine_config
@@ -377,15 +378,16 @@ def validate_plan_config(cfg) -> None:
                          ">= 0 (MiB), or null for the calibrated default")
     check_distill_config(cfg.distill)
     check_loss_config(cfg.distill.loss)
-    rule = SplitRule(int(cfg.distill.min_split), int(cfg.distill.min_continuation))  # names distill.min_*
+    rule = SplitRule.from_config(cfg.distill.split)  # names distill.split.min_*
     batch = _integer(cfg.data.batch_size)
     if batch is None or batch < 1:
         raise ValueError(f"data.batch_size={cfg.data.batch_size} is invalid: the micro batch per rank must be an "
                          "integer >= 1; e.g. data.batch_size=1")
     seq, shortest = _integer(cfg.data.seq_len), rule.min_split + rule.min_continuation
     if seq is None or seq < shortest:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} is too short to split: a sequence needs distill.min_split "
-                         f"+ distill.min_continuation = {shortest} tokens; use data.seq_len>={shortest}")
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} is too short to split: a sequence needs "
+                         f"distill.split.min_split + distill.split.min_continuation = {shortest} tokens; use "
+                         f"data.seq_len>={shortest}")
     validate_prune_config(cfg.prune)
     resolve_shape(cfg)
 
@@ -396,7 +398,7 @@ def check_seq_len(cfg, config) -> None:
     text = text_config(config)
     limit = getattr(text, "max_position_embeddings", None)
     if limit is not None and int(cfg.data.seq_len) > int(limit):
-        shortest = int(cfg.distill.min_split) + int(cfg.distill.min_continuation)
+        shortest = int(cfg.distill.split.min_split) + int(cfg.distill.split.min_continuation)
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the max_position_embeddings={limit} of model "
                          f"{cfg.model.name}; use data.seq_len in [{shortest}, {limit}]")
 
@@ -405,18 +407,18 @@ def resolve_shape(cfg) -> Shape:
     """The planned micro-batch: data.batch_size rows, the longest prefix P and the longest continuation L.
 
     The split rule (slimwise_train/distill/batches.py) puts a sequence of n <= data.seq_len tokens at s in
-    [distill.min_split, n - distill.min_continuation]: so P is in [min_split, seq_len - min_continuation] and L in
-    [min_continuation, seq_len - min_split]. With one row (data.batch_size=1) both come from one sequence, so
+    [distill.split.min_split, n - distill.split.min_continuation]: so P is in [min_split, seq_len - min_continuation]
+    and L in [min_continuation, seq_len - min_split]. With one row (data.batch_size=1) both come from one sequence, so
     P + L <= seq_len; with more rows P and L may come from different rows (left- and right-padded).
 
     Unless given, the worst case of that rule: the longest continuation seq_len - min_split on a min_split-token
     prefix (activations and logits grow with the continuation); with prefix_tokens given and one row, the rest of the
     sequence, seq_len - prefix_tokens; with continuation_tokens given, prefix seq_len - continuation_tokens."""
     seq, batch = int(cfg.data.seq_len), int(cfg.data.batch_size)
-    min_split, min_cont = int(cfg.distill.min_split), int(cfg.distill.min_continuation)
+    min_split, min_cont = int(cfg.distill.split.min_split), int(cfg.distill.split.min_continuation)
     prefix, cont = cfg.get("prefix_tokens"), cfg.get("continuation_tokens")
-    where = (f"at data.seq_len={seq} (split rule: distill.min_split={min_split}, "
-             f"distill.min_continuation={min_cont}), or null for the worst case")
+    where = (f"at data.seq_len={seq} (split rule: distill.split.min_split={min_split}, "
+             f"distill.split.min_continuation={min_cont}), or null for the worst case")
     if prefix is not None and not min_split <= int(prefix) <= seq - min_cont:
         raise ValueError(f"prefix_tokens={prefix} is invalid: use prefix_tokens in [{min_split}, {seq - min_cont}] "
                          + where)
@@ -450,7 +452,7 @@ def plan_memory(arch: Architecture, cfg, shape: Shape, device: str, dtype: torch
     world = int(cfg.world_size)
     if world < 1:
         raise ValueError(f"world_size must be >= 1, got {world}")
-    recompute = str(cfg.distill.recompute)
+    recompute = str(cfg.distill.memory.recompute)
     stage = ZERO_STAGE[engine]
     frozen = arch.frozen_params * s
     opt = optimizer_bytes(arch.trainable_params, engine, world, s, device)

@@ -117,6 +117,24 @@ def _one_line(exc: BaseException) -> str:
     return line
 
 
+def _moved_key(overrides: list[str], exc: BaseException, moved: Callable[[str], str | None]) -> str | None:
+    """`distill.lr moved to distill.optim.lr` (what `moved(key)` says of a renamed key, None for any other) when the
+    failed composition used a renamed key: on the command line (every one given), or in a YAML (the key OmegaConf
+    names in the error, after the YAML Hydra names); None otherwise."""
+    import re
+
+    given = [moved(override.split("=", 1)[0].strip().lstrip("+~")) for override in overrides]
+    if any(given):
+        return "; ".join(dict.fromkeys(line for line in given if line))  # every renamed key given, each once
+    where = re.match(r"In '[^']+'", str(exc))  # Hydra names the YAML: "In 'experiment/old': ..."
+    while exc is not None:
+        line = moved(str(getattr(exc, "full_key", "") or ""))
+        if line:
+            return f"{where.group(0)}: {line}" if where else line
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _override_variants(overrides: list[str]) -> list[list[str]]:
     """Each sweep value checked once: the first value of every sweep, then each other value of one sweep."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -133,12 +151,14 @@ def _override_variants(overrides: list[str]) -> list[list[str]]:
 
 
 def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir: str,
-                     check: Callable | None = None, schema: type | None = None):
+                     check: Callable | None = None, schema: type | None = None,
+                     moved: Callable[[str], str | None] | None = None):
     """Compose the app's config the way @hydra.main will; a bad override is one line and exit 2, before Hydra
     creates the output folder. With `check`, every variant (without its hydra node) is also passed to
     `check(cfg, schema)` (the apps: config.check_known_keys, which refuses an unknown key or a value outside a Literal
     field's choices such as engine.name=zero4 with a ValueError). Returns the config of the first variant (with its
-    hydra node), or None where the pre-check cannot stand in for Hydra (help and config flags)."""
+    hydra node), or None where the pre-check cannot stand in for Hydra (help and config flags). With `moved`, a
+    failure caused by a renamed key says where it moved instead (`_moved_key`)."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf import open_dict
@@ -159,7 +179,9 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir
         return first
     except (HydraException, OmegaConfBaseException, ValueError) as exc:
         plain = isinstance(exc, ValueError) and not isinstance(exc, (HydraException, OmegaConfBaseException))
-        line = f"{prog}: error: {exc if plain else _one_line(exc)}"  # check_known_keys' own line, or Hydra's
+        # a flat distill key of before the groups (distill.lr): where it moved, rather than Hydra's "not in struct"
+        renamed = _moved_key(overrides, exc, moved) if moved is not None and not plain else None
+        line = f"{prog}: error: {renamed or (exc if plain else _one_line(exc))}"  # check_known_keys' line, or Hydra's
         if int(os.environ.get("RANK", "0")) == 0:
             print(line, file=sys.stderr)
         _report_to_torchrun(line)
@@ -222,14 +244,14 @@ _HELP_ALONGSIDE = (*_HELP, "-m", "--multirun")
 
 
 def _print_help(task: Callable, conf_dir: str, config_name: str, prog: str, schema: type | None,
-                args: list[str]) -> None:
+                args: list[str], moved: Callable[[str], str | None] | None = None) -> None:
     """`-h` / `--help`: the app's own help (utils/help.py), its values composed with the overrides given beside it."""
     from hydra.core.global_hydra import GlobalHydra
 
     from slimwise_train.utils.help import app_help
 
     overrides = [a for a in args if a not in _HELP_ALONGSIDE]
-    cfg = _compose_or_exit(config_name, prog, overrides, conf_dir)
+    cfg = _compose_or_exit(config_name, prog, overrides, conf_dir, moved=moved)
     try:
         module = sys.modules.get(getattr(task, "__module__", ""), None)
         text = app_help(cfg, prog=prog, conf_dir=conf_dir, schema=schema, doc=getattr(module, "__doc__", None),
@@ -241,7 +263,8 @@ def _print_help(task: Callable, conf_dir: str, config_name: str, prog: str, sche
 
 
 def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = True,
-              schema: type | None = None, check: Callable | None = None) -> Callable[[Callable], Callable[[], None]]:
+              schema: type | None = None, check: Callable | None = None,
+              moved: Callable[[str], str | None] | None = None) -> Callable[[Callable], Callable[[], None]]:
     """`@hydra.main` for the slimwise apps, with what each of them needs before and around the job:
 
     - the overrides are composed first, so a bad one (an unknown preset, `world_size=abc`) is one line and exit 2
@@ -254,7 +277,9 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
       description from `schema`, the typed app config; default: the composed config's own type), exit 0;
       `--hydra-help` is Hydra's;
     - `check(cfg, schema)` (the apps: config.check_known_keys) runs on every composed variant before anything is
-      created: a value outside a Literal field's choices is one line and exit 2, and no folder."""
+      created: a value outside a Literal field's choices is one line and exit 2, and no folder;
+    - `moved(key)` (train and plan: config.moved_key_message) names the new place of a renamed key: an old key on
+      the command line (with --help and --multirun too) or in a YAML is `<old> moved to <new>`, exit 2, no folder."""
     import functools
 
     import hydra
@@ -285,12 +310,12 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
             args = sys.argv[1:]
             flags = [arg for arg in args if arg.startswith("-")]
             if any(arg in _HELP for arg in flags) and all(arg in _HELP_ALONGSIDE for arg in flags):
-                return _print_help(task, conf_dir, config_name, prog, schema, args)
+                return _print_help(task, conf_dir, config_name, prog, schema, args, moved)
             if any(arg.split("=", 1)[0] in _NOT_A_RUN for arg in args):
                 return run_hydra()
             multirun = any(arg in ("-m", "--multirun") for arg in args)
             cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")], conf_dir,
-                                   check, schema)
+                                   check, schema, moved)
             if multirun or cfg is None:
                 return run_hydra()
             from omegaconf import OmegaConf

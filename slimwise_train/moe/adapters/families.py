@@ -96,9 +96,9 @@ class DeepseekV3Adapter(SoftmaxTopKAdapter):
         expert = int(config.moe_intermediate_size)
         if extra % expert:
             raise ValueError(
-                f"deepseek_v3 adds shared experts whole: distill.shared_expert_intermediate_size={extra} is not a "
-                f"multiple of moe_intermediate_size={expert}; use a multiple, null for one more expert, or "
-                "distill.shared_expert_mode=none (no shared expert, stock class) or new (remote code)"
+                f"deepseek_v3 adds shared experts whole: distill.student.shared_expert_intermediate_size={extra} is "
+                f"not a multiple of moe_intermediate_size={expert}; use a multiple, null for one more expert, or "
+                "distill.student.shared_expert_mode=none (no shared expert, stock class) or new (remote code)"
             )
         return {"n_shared_experts": int(config.n_shared_experts) + extra // expert}
 
@@ -188,8 +188,9 @@ class Gemma4Adapter(MoEAdapter):
         # intermediate_size widens every layer by the same X columns.
         if getattr(config, "use_double_wide_mlp", False) and getattr(config, "num_kv_shared_layers", 0):
             raise ValueError("gemma4 with use_double_wide_mlp and KV-shared layers cannot widen its dense MLP "
-                             "uniformly; use distill.shared_expert_mode=none (no shared expert: the default trainable "
-                             "preset trains LoRA on the kept experts, stock-class export) or new (remote code)")
+                             "uniformly; use distill.student.shared_expert_mode=none (no shared expert: the default "
+                             "trainable preset trains LoRA on the kept experts, stock-class export) or new (remote "
+                             "code)")
         return super().widened_slot_config(config, extra)
 
     def has_experts(self, config):
