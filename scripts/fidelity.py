@@ -22,13 +22,16 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from slimwise_train.eval.study import paired_difference as paired  # noqa: E402
+from slimwise_train.eval.study import run_app  # noqa: E402
+from slimwise_train.utils.atomic import write_text_atomic  # noqa: E402
 
 CRITERIA = ("mass", "ean", "reap")  # the finding names routing mass, EAN and REAP
 RATIO = "0.5"
@@ -56,19 +59,8 @@ TEACHERS = {
 
 
 def run(cmd: list[str], log: Path, timings: dict, name: str) -> None:
-    print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
-    start = time.time()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    with open(log, "w") as handle:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        tail = log.read_text().strip().splitlines()[-1:] or [""]
-        raise SystemExit(f"fidelity: failed (exit {proc.returncode}): {' '.join(cmd)}; see {log}: {tail[0]}")
-    timings[name] = round(time.time() - start)
-    print(f"  done in {timings[name]} s", flush=True)
+    timings[name] = round(run_app(cmd, log, REPO, "fidelity"))
     # kept beside the outputs, so a continued run still reports every step's wall time
-    from slimwise_train.utils.atomic import write_text_atomic
-
     write_text_atomic(TIMINGS_FILE[0], json.dumps(timings, indent=1) + "\n")
 
 
@@ -76,8 +68,6 @@ def write_long_suite(path: Path, n: int) -> None:
     """Rows for the deep teacher's calibration and distillation: the long-context suite's training stream, every
     held-out problem the teacher excluded kept out (so the evaluated problems stay unseen by the student too)."""
     from slimwise_train.data import synthetic
-    from slimwise_train.utils.atomic import write_text_atomic
-
     excluded = frozenset(e.prompt for e in synthetic.long_heldout(TEACHERS["teacher_deep"]["families"],
                                                                    HELDOUT_EXCLUDED, seed=0))
     rows = []
@@ -85,15 +75,6 @@ def write_long_suite(path: Path, n: int) -> None:
         prompt, answer = synthetic.to_text(example)
         rows.append(json.dumps({"prompt": prompt, "answer": answer, "family": example.family}))
     write_text_atomic(path, "\n".join(rows) + "\n")
-
-
-def paired(a: list[bool], b: list[bool]) -> tuple[float, float, int]:
-    """(mean of a - b, its standard error, n) over problems paired by index."""
-    diffs = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
-    return mean, math.sqrt(var / n), n
 
 
 def fmt(diff: tuple[float, float, int]) -> str:
@@ -110,7 +91,8 @@ class Results:
         self.budget = self.data["budget"]
 
     def run(self, keep_set: str | None, mode: str) -> dict:
-        (record,) = [r for r in self.data["runs"] if r["mode"] == mode and (mode == "full" or r["keep_set"] == keep_set)]
+        (record,) = [r for r in self.data["runs"]
+                     if r["mode"] == mode and (mode == "full" or r["keep_set"] == keep_set)]
         return record
 
     def values(self, keep_set: str | None, mode: str, key: str, family: str = "all") -> list:
@@ -393,8 +375,6 @@ def main() -> None:
         steps = int(steps_override) if steps_override else spec["steps"]
         print(f"== {teacher}", flush=True)
         measured[teacher] = measure_teacher(teacher, spec, Path(args.out) / teacher, eval_n, steps, timings)
-    from slimwise_train.utils.atomic import write_text_atomic
-
     write_text_atomic(Path(args.doc), render(measured, eval_n, timings))
     print(f"wrote {args.doc}", flush=True)
 

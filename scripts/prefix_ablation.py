@@ -15,39 +15,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from slimwise_train.eval.study import paired_difference, run_app  # noqa: E402
 RATIOS = ("0.5", "0.75")
 TRAININGS = ("teacher", "student")
 MODES = ("slimwise_distill", "conventional_distill")
 
 
 def run(cmd: list[str], log: Path) -> float:
-    print(f"$ {' '.join(cmd)}  (log: {log})", flush=True)
-    start = time.time()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
-    with open(log, "w") as handle:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT)
-    if proc.returncode != 0:
-        raise SystemExit(f"prefix_ablation: failed (exit {proc.returncode}): {' '.join(cmd)}; see {log}")
-    took = time.time() - start
-    print(f"  done in {took:.0f} s", flush=True)
-    return took
+    return run_app(cmd, log, REPO, "prefix_ablation")
 
 
 def paired(a: list[bool], b: list[bool]) -> tuple[float, float]:
     """(mean of a - b, its standard error) over problems paired by index."""
-    diffs = [float(x) - float(y) for x, y in zip(a, b, strict=True)]
-    n = len(diffs)
-    mean = sum(diffs) / n
-    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
-    return mean, math.sqrt(var / n)
+    return paired_difference(a, b)[:2]
 
 
 def correct_by_family(results: dict, mode: str) -> dict[str, list[bool]]:
