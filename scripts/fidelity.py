@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from slimwise_train.eval.study import paired_difference as paired  # noqa: E402
+from slimwise_train.eval.metrics import collapse_share, length_stats  # noqa: E402
 from slimwise_train.eval.study import run_app  # noqa: E402
 from slimwise_train.utils.atomic import write_text_atomic  # noqa: E402
 
@@ -104,14 +104,13 @@ class Results:
         return sum(correct) / len(correct)
 
     def lengths(self, keep_set, mode, family) -> dict:
-        """median, p90 (nearest rank), share hitting the budget, share collapsed (< 0.5 x reference, ended)."""
+        """median, p90 (nearest rank), share hitting the budget, share collapsed: the eval app's own metrics."""
         length = self.values(keep_set, mode, "length", family)
         ended = self.values(keep_set, mode, "ended", family)
         ref = [r for r, f in zip(self.reference, self.families, strict=True) if f == family]
-        ordered = sorted(length)
-        return {"median": statistics.median(length), "p90": ordered[math.ceil(0.9 * len(ordered)) - 1],
-                "budget": sum(not e for e in ended) / len(ended),
-                "collapse": sum(e and n < 0.5 * r for n, e, r in zip(length, ended, ref, strict=True)) / len(ended)}
+        stats = length_stats(length, self.budget[family], ended)
+        return {"median": stats["median_length"], "p90": stats["p90_length"], "budget": stats["hit_budget"],
+                "collapse": collapse_share(length, ref, ended)}
 
 
 def keep_name(criterion: str) -> str:
