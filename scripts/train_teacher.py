@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from slimwise_train.data import synthetic  # noqa: E402
-from slimwise_train.eval.generation import Problem, build_problems, family_budgets, greedy_accuracy  # noqa: E402
+from slimwise_train.eval.generation import build_problems, family_budgets, greedy_accuracy  # noqa: E402
 from slimwise_train.utils.atomic import atomic_dir  # noqa: E402
 
 TOKENIZER = REPO / "slimwise_train" / "assets" / "tokenizer"
@@ -339,20 +339,6 @@ def format_eta(seconds: float) -> str:
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else f"{seconds / 60:.1f}m"
 
 
-def build_long_problems(tokenizer, families, n: int, seed: int = 0) -> list[Problem]:
-    """`Problem`s of the first `n` held-out examples of each family, like the eval app's `build_problems` but for
-    any registered family (that one accepts math / code / tool only)."""
-    from slimwise_train.data.synthetic.suite import long_heldout
-
-    problems = []
-    for example in long_heldout(families, n, seed):
-        prompt_text, answer_text = synthetic.to_text(example)
-        prompt_ids = tuple(tokenizer(prompt_text, add_special_tokens=False)["input_ids"])
-        answer_ids = tokenizer(answer_text, add_special_tokens=False)["input_ids"]
-        problems.append(Problem(example.family, example.prompt, example.answer, prompt_ids, len(answer_ids) + 1))
-    return problems
-
-
 def train_deep(args) -> None:
     """Train (or resume) the deep teacher on packed long-context sequences; see the module docstring."""
     from slimwise_train.data.synthetic.long_context import packed_batches
@@ -405,7 +391,8 @@ def train_deep(args) -> None:
     # Held-out problems (the "heldout" stream, first problems of each family) never enter training: the first
     # max(final_eval, heldout_exclude) per family are excluded; the default 400 covers the eval app's default sample
     # of math / code / tool (200) and leaves room to evaluate more.
-    heldout = build_long_problems(tokenizer, DEEP_FAMILIES, max(args.final_eval, args.heldout_exclude))
+    # seed 0: the eval app's held-out problems for these families, so what this run excludes is what it scores
+    heldout = build_problems(tokenizer, DEEP_FAMILIES, max(args.final_eval, args.heldout_exclude), seed=0)
     exclude = frozenset(p.prompt for p in heldout)
     final_problems = [p for f in DEEP_FAMILIES for p in [q for q in heldout if q.family == f][: args.final_eval]]
     budgets = family_budgets(final_problems)
