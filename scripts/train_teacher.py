@@ -43,7 +43,9 @@ pauses a run (checkpoint, then `--resume`); a checkpoint (`<out>/checkpoint/`: m
 position) is written every `--checkpoint-every` minutes and at a pause, and the finished model goes to
 `<out>/final/` (copy it into slimwise_train/assets/ to ship it). Flags given explicitly override the preset; on
 `--resume` the checkpoint's own settings win except the run controls (--minutes, --steps-this-run, --threads,
---checkpoint-every, --eval-every, --log-every).
+--checkpoint-every, --eval-every, --log-every) and the data flags, which start a new phase from the checkpoint's data
+position: `--mix lookup=2,code=1.5` (the mixture's weights) and `--warm-params lookup.min_rows=2,lookup.max_rows=10
+--warm-chunks 20` (a curriculum: those generator parameters for the next 20 data chunks, then the defaults).
 """
 
 from __future__ import annotations
@@ -160,6 +162,52 @@ RUN_CONTROLS = ("minutes", "steps_this_run", "threads", "checkpoint_every", "eva
 DEEP_FAMILIES = ("lookup", "toolpick", "steps", "fewshot", "math", "code", "tool")
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """`--mix lookup=2,code=1.5`: the long-context mixture's weights (in examples); a family not named keeps its
+    weight in long_context.LONG_SUITE_WEIGHTS, 0 leaves it out."""
+    from slimwise_train.data.synthetic.long_context import LONG_SUITE_WEIGHTS
+
+    weights = dict(LONG_SUITE_WEIGHTS)  # same order: the mixture's shuffle seed is derived from the family names
+    for item in text.split(","):
+        family, sep, value = item.partition("=")
+        if not sep or family not in weights:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FAMILY=WEIGHT, FAMILY one of {', '.join(weights)}")
+        try:
+            weight = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: the weight must be a number") from None
+        if not (math.isfinite(weight) and weight >= 0):
+            raise argparse.ArgumentTypeError(f"{item!r}: the weight must be finite and >= 0")
+        weights[family] = weight
+    if not sum(weights.values()) > 0:
+        raise argparse.ArgumentTypeError("every weight is 0; give at least one family a positive weight")
+    return weights
+
+
+def parse_family_params(text: str) -> dict[str, dict]:
+    """`--warm-params lookup.min_rows=2,lookup.max_rows=10`: generator parameters (long_context.LONG_DEFAULT_PARAMS,
+    synthetic DEFAULT_PARAMS) per family, checked by generating one example with them."""
+    params: dict[str, dict] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        family, dot, name = key.partition(".")
+        if not (sep and dot and name):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected FAMILY.PARAM=VALUE, e.g. lookup.max_rows=10")
+        if family not in DEEP_FAMILIES:
+            raise argparse.ArgumentTypeError(f"{item!r}: FAMILY must be one of {', '.join(DEEP_FAMILIES)}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: the value must be a number") from None
+        params.setdefault(family, {})[name] = int(number) if number.is_integer() else number
+    for family, overrides in params.items():
+        try:
+            synthetic.generate(family, 1, 0, **overrides)
+        except (TypeError, ValueError) as error:
+            raise argparse.ArgumentTypeError(f"{family}: {error}") from None
+    return params
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, with `--preset deep`'s values as defaults (explicit flags still win)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -200,6 +248,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     deep.add_argument("--examples-per-chunk", type=int, default=2048, help="examples generated and packed at a time")
     deep.add_argument("--heldout-exclude", type=int, default=400,
                       help="held-out problems per family kept out of training (at least --final-eval are)")
+    deep.add_argument("--mix", type=parse_mix, default=None, metavar="FAMILY=WEIGHT,...",
+                      help="the long-context mixture's weights in examples (others keep LONG_SUITE_WEIGHTS'); on "
+                           "--resume it replaces the checkpoint's from its data position on")
+    deep.add_argument("--warm-params", type=parse_family_params, default=None, metavar="FAMILY.PARAM=VALUE,...",
+                      help="generator parameters for the next --warm-chunks data chunks (a curriculum, e.g. "
+                           "lookup.min_rows=2,lookup.max_rows=10); then the defaults")
+    deep.add_argument("--warm-chunks", type=int, default=0, help="data chunks that use --warm-params")
     deep.add_argument("--no-shot-loss", action="store_true",
                       help="no loss on the solved examples' answers inside few-shot prompts (final answer + EOS only)")
     preset = argparse.ArgumentParser(add_help=False)
@@ -211,6 +266,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.preset != "deep" and (args.mix is not None or args.warm_params is not None or args.warm_chunks):
+        raise SystemExit("--mix, --warm-params and --warm-chunks shape the long-context suite: add --preset deep")
     if args.preset == "deep":
         return train_deep(args)
 
@@ -325,8 +382,15 @@ def load_checkpoint_state(folder: Path) -> dict:
 
 def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
     """The checkpoint's settings with this command's run controls (--minutes, --threads, ...) on top."""
-    merged = dict(state["args"])
+    # keys a checkpoint written before a flag existed lacks take the preset's default (the behaviour it ran with)
+    merged = {**vars(parse_args(["--preset", "deep"])), **state["args"]}
     merged.update({k: getattr(args, k) for k in RUN_CONTROLS})
+    if args.mix is not None:  # a new data phase from the checkpoint's data position on
+        merged["mix"] = args.mix
+    if args.warm_params is not None:
+        merged["warm_params"], merged["warm_chunks"] = args.warm_params, args.warm_chunks
+        merged["warm_from_chunk"] = state["position"][0]  # the curriculum starts at this run's data position
+    merged.setdefault("warm_from_chunk", 0)
     if args.extend_schedule is not None:
         if args.extend_schedule < state["step"]:
             raise SystemExit(f"--extend-schedule {args.extend_schedule} is before the checkpoint's step "
@@ -350,12 +414,16 @@ def train_deep(args) -> None:
     if args.extend_schedule is not None and not args.resume:
         raise SystemExit("--extend-schedule lengthens a resumed run's schedule; pass --resume too, or --max-steps "
                          "for a new run")
+    if (args.warm_params is None) != (args.warm_chunks <= 0):
+        raise SystemExit("--warm-params and --warm-chunks go together: give both (--warm-chunks N > 0) or neither")
     if args.resume:
         state = load_checkpoint_state(ckpt)
         args = deep_args_for_resume(args, state)
     elif ckpt.exists() and not args.overwrite:
         raise SystemExit(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
                          "start over")
+    else:
+        args.warm_from_chunk = 0
     if args.seq_len > args.max_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
                          "--max-positions")
@@ -414,8 +482,13 @@ def train_deep(args) -> None:
     previous_handlers = {sig: signal.signal(sig, lambda number, frame: stop_signal.append(number))
                          for sig in (signal.SIGTERM, signal.SIGINT)}
     model.train()
+    def chunk_examples(chunk: int):
+        warm = args.warm_params is not None and 0 <= chunk - args.warm_from_chunk < args.warm_chunks
+        return long_suite(args.examples_per_chunk, args.seed + 1000 * chunk, weights=args.mix, exclude=exclude,
+                          params=args.warm_params if warm else None)
+
     batches = packed_batches(
-        tokenizer, lambda chunk: long_suite(args.examples_per_chunk, args.seed + 1000 * chunk, exclude=exclude),
+        tokenizer, chunk_examples,
         seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, start=position,
         supervise_shots=not args.no_shot_loss)
     for next_position, ids, labels in ([] if step >= args.max_steps else batches):
@@ -472,7 +545,9 @@ def train_deep(args) -> None:
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)
     stop_reason = stop_reason or "finished"
-    log["runs"].append({"from_step": first_step, "to_step": step, "max_steps": args.max_steps,
+    log["runs"].append({"from_step": first_step, "to_step": step, "max_steps": args.max_steps, "mix": args.mix,
+                        "warm_params": args.warm_params, "warm_chunks": [args.warm_from_chunk,
+                                                                        args.warm_from_chunk + args.warm_chunks],
                         "seconds": round(time.time() - run_start),
                         "tokens": run_tokens, "stop": stop_reason})
     save_checkpoint(ckpt, model, optimizer, current_state())

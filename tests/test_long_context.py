@@ -261,3 +261,63 @@ def test_deep_preset_finishes_with_an_evaluated_final_model(tmp_path, monkeypatc
     assert log["runs"][-1]["stop"] == "finished"
     assert (tmp_path / "c" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "c" / "final" / "tokenizer.json").is_file()
+
+
+def test_deep_preset_mixture_and_curriculum_flags(tmp_path, monkeypatch, capsys, keep_threads):
+    """--mix reweights the long-context mixture; --warm-params / --warm-chunks give generator parameters to the next
+    data chunks (from the start, or from a resumed checkpoint's data position); bad values are one-line errors; a
+    checkpoint written before these flags existed resumes with the defaults."""
+    T = _train_teacher()
+    for argv, message in (
+            (["--mix", "lookup=x"], "the weight must be a number"),
+            (["--mix", "nope=1"], "FAMILY one of lookup"),
+            (["--mix", "lookup=-1"], "finite and >= 0"),
+            (["--warm-params", "lookup.max_rows=1"], "min_rows <= max_rows"),
+            (["--warm-params", "lookup.nope=3"], "unknown lookup parameters"),
+            (["--warm-params", "lookup=3"], "FAMILY.PARAM=VALUE")):
+        with pytest.raises(SystemExit):
+            T.parse_args(["--preset", "deep", *argv])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="go together"):
+        T.main(["--preset", "deep", "--warm-chunks", "2", "--out", str(tmp_path / "x")])
+    with pytest.raises(SystemExit, match="add --preset deep"):
+        T.main(["--mix", "lookup=2", "--out", str(tmp_path / "y")])
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+    from slimwise_train.data.synthetic import suite
+    calls = []
+    real = suite.long_suite
+
+    def recording(n, seed, **kwargs):
+        calls.append((seed, kwargs["weights"], kwargs["params"]))
+        return real(n, seed, **kwargs)
+
+    monkeypatch.setattr(suite, "long_suite", recording)
+    only_lookup = "lookup=1,toolpick=0,steps=0,fewshot=0,math=0,code=0,tool=0"
+    tiny = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
+            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "50", "--warmup", "2",
+            "--examples-per-chunk", "8", "--final-eval", "1", "--heldout-exclude", "20", "--threads", "1"]
+    out = tmp_path / "a"
+    T.main(tiny + ["--out", str(out), "--steps-this-run", "4", "--mix", only_lookup,
+                   "--warm-params", "lookup.min_rows=2,lookup.max_rows=3", "--warm-chunks", "1"])
+    seed = T.DEEP_PRESET.get("seed", 2025)
+    assert calls[0] == (seed, T.parse_mix(only_lookup), {"lookup": {"min_rows": 2, "max_rows": 3}})
+    assert len(calls) > 1 and all(params is None for _, _, params in calls[1:])  # chunk 1 on: the defaults
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["log"]["runs"][-1]["warm_chunks"] == [0, 1]
+
+    # a new phase on resume: the curriculum starts at the checkpoint's data chunk
+    chunk = state["position"][0]
+    calls.clear()
+    T.main(["--preset", "deep", "--out", str(out), "--resume", "--steps-this-run", "1", "--threads", "1",
+            "--warm-params", "lookup.max_rows=12", "--warm-chunks", "1"])
+    assert calls[0] == (seed + 1000 * chunk, T.parse_mix(only_lookup), {"lookup": {"max_rows": 12}})
+
+    # a checkpoint from before these flags: resumes on the default mixture, no curriculum
+    for key in ("mix", "warm_params", "warm_chunks", "warm_from_chunk"):
+        state = json.loads((out / "checkpoint" / "state.json").read_text())
+        state["args"].pop(key)
+        (out / "checkpoint" / "state.json").write_text(json.dumps(state))
+    calls.clear()
+    T.main(["--preset", "deep", "--out", str(out), "--resume", "--steps-this-run", "1", "--threads", "1"])
+    assert calls[0][1:] == (None, None)
