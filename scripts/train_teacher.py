@@ -255,6 +255,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="generator parameters for the next --warm-chunks data chunks (a curriculum, e.g. "
                            "lookup.min_rows=2,lookup.max_rows=10); then the defaults")
     deep.add_argument("--warm-chunks", type=int, default=0, help="data chunks that use --warm-params")
+    # not a flag: the data chunk the curriculum starts at (0; a resume that sets --warm-params moves it there)
+    parser.set_defaults(warm_from_chunk=0)
     deep.add_argument("--no-shot-loss", action="store_true",
                       help="no loss on the solved examples' answers inside few-shot prompts (final answer + EOS only)")
     preset = argparse.ArgumentParser(add_help=False)
@@ -390,7 +392,6 @@ def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
     if args.warm_params is not None:
         merged["warm_params"], merged["warm_chunks"] = args.warm_params, args.warm_chunks
         merged["warm_from_chunk"] = state["position"][0]  # the curriculum starts at this run's data position
-    merged.setdefault("warm_from_chunk", 0)
     if args.extend_schedule is not None:
         if args.extend_schedule < state["step"]:
             raise SystemExit(f"--extend-schedule {args.extend_schedule} is before the checkpoint's step "
@@ -422,8 +423,6 @@ def train_deep(args) -> None:
     elif ckpt.exists() and not args.overwrite:
         raise SystemExit(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
                          "start over")
-    else:
-        args.warm_from_chunk = 0
     if args.seq_len > args.max_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
                          "--max-positions")
@@ -482,6 +481,7 @@ def train_deep(args) -> None:
     previous_handlers = {sig: signal.signal(sig, lambda number, frame: stop_signal.append(number))
                          for sig in (signal.SIGTERM, signal.SIGINT)}
     model.train()
+
     def chunk_examples(chunk: int):
         warm = args.warm_params is not None and 0 <= chunk - args.warm_from_chunk < args.warm_chunks
         return long_suite(args.examples_per_chunk, args.seed + 1000 * chunk, weights=args.mix, exclude=exclude,

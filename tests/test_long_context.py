@@ -177,6 +177,12 @@ def test_packed_batches_resume_at_their_position(tok):
         assert torch.equal(ids, ids2) and torch.equal(labels, labels2)
 
 
+# a 2-layer deep-preset run that takes seconds; each test adds its schedule, eval size and output folder
+TINY_DEEP = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
+             "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--examples-per-chunk", "16",
+             "--heldout-exclude", "20", "--threads", "1"]
+
+
 def _train_teacher():
     spec = importlib.util.spec_from_file_location("train_teacher", ASSETS.parents[1] / "scripts" / "train_teacher.py")
     module = importlib.util.module_from_spec(spec)
@@ -195,10 +201,7 @@ def test_deep_preset_checkpoints_and_resumes_exactly(tmp_path, capsys, keep_thre
     T = _train_teacher()
     assert T.parse_args([]).layers == 4 and T.parse_args([]).max_positions == 512  # the shipped recipe is untouched
     assert T.parse_args(["--preset", "deep"]).layers >= 12 and T.parse_args(["--preset", "deep"]).max_positions >= 2048
-    tiny = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
-            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "50", "--warmup", "2",
-            "--examples-per-chunk", "16", "--final-eval", "1", "--heldout-exclude", "20", "--log-every", "1",
-            "--threads", "1"]
+    tiny = [*TINY_DEEP, "--max-steps", "50", "--warmup", "2", "--final-eval", "1", "--log-every", "1"]
     T.main(tiny + ["--out", str(tmp_path / "a"), "--steps-this-run", "3"])
     state = json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())
     assert state["step"] == 3 and state["args"]["layers"] == 2 and tuple(state["position"]) != (0, 0)
@@ -219,9 +222,7 @@ def test_deep_preset_checkpoints_and_resumes_exactly(tmp_path, capsys, keep_thre
 
 def test_deep_preset_extends_its_schedule_and_pauses_on_sigterm(tmp_path, monkeypatch, capsys, keep_threads):
     T = _train_teacher()
-    tiny = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
-            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "4", "--warmup", "1",
-            "--examples-per-chunk", "16", "--final-eval", "1", "--heldout-exclude", "20", "--threads", "1"]
+    tiny = [*TINY_DEEP, "--max-steps", "4", "--warmup", "1", "--final-eval", "1"]
     out = str(tmp_path / "a")
     schedule = T.cosine_lr
 
@@ -252,10 +253,7 @@ def test_deep_preset_extends_its_schedule_and_pauses_on_sigterm(tmp_path, monkey
 def test_deep_preset_finishes_with_an_evaluated_final_model(tmp_path, monkeypatch, keep_threads):
     T = _train_teacher()
     monkeypatch.setattr(T, "family_budgets", lambda problems: {p.family: 3 for p in problems})  # a quick eval
-    T.main(["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
-            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "2", "--warmup", "1",
-            "--examples-per-chunk", "16", "--final-eval", "2", "--heldout-exclude", "20", "--threads", "1",
-            "--out", str(tmp_path / "c")])
+    T.main([*TINY_DEEP, "--max-steps", "2", "--warmup", "1", "--final-eval", "2", "--out", str(tmp_path / "c")])
     log = json.loads((tmp_path / "c" / "final" / "training_log.json").read_text())
     assert log["steps"] == 2 and set(log["final_eval"]) == set(T.DEEP_FAMILIES)
     assert log["runs"][-1]["stop"] == "finished"
@@ -294,9 +292,7 @@ def test_deep_preset_mixture_and_curriculum_flags(tmp_path, monkeypatch, capsys,
 
     monkeypatch.setattr(suite, "long_suite", recording)
     only_lookup = "lookup=1,toolpick=0,steps=0,fewshot=0,math=0,code=0,tool=0"
-    tiny = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
-            "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--max-steps", "50", "--warmup", "2",
-            "--examples-per-chunk", "8", "--final-eval", "1", "--heldout-exclude", "20", "--threads", "1"]
+    tiny = [*TINY_DEEP, "--max-steps", "50", "--warmup", "2", "--examples-per-chunk", "8", "--final-eval", "1"]
     out = tmp_path / "a"
     T.main(tiny + ["--out", str(out), "--steps-this-run", "4", "--mix", only_lookup,
                    "--warm-params", "lookup.min_rows=2,lookup.max_rows=3", "--warm-chunks", "1"])
