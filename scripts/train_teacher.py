@@ -32,10 +32,11 @@ family reaches `--target` (or the time budget ends); then it evaluates the final
 held-out problems per family and writes the checkpoint (safetensors) and a training log, atomically.
 
 `--preset deep` trains the second, deep teacher for the fidelity study (docs/teacher.md, "A deep teacher for the
-fidelity study") on the long-context suite (slimwise_train/data/synthetic/long_context.py: lookup, toolpick,
+fidelity study"), grown from the shipped teacher (`--grow-from`: 4 -> 12 layers, each layer repeated with the
+repeats' outputs zeroed, so training starts from exactly the shipped model), on the long-context suite (slimwise_train/data/synthetic/long_context.py: lookup, toolpick,
 steps, fewshot, plus math / code / tool) packed into 1024-token sequences; it is resumable:
 
-    python scripts/train_teacher.py --preset deep                      # --out outputs/teacher_deep
+    python scripts/train_teacher.py --preset deep --warm-params lookup.min_rows=2,lookup.max_rows=12 --warm-chunks 6
     python scripts/train_teacher.py --preset deep --resume             # continue from outputs/teacher_deep/checkpoint
 
 Its schedule is by steps (`--max-steps`; the cosine ends at zero there, whatever the wall time), `--minutes` only
@@ -131,25 +132,26 @@ def batches(tokenizer, args, exclude):
             yield ids, mask, labels
 
 
-# The deep teacher (docs/teacher.md, "A deep teacher for the fidelity study"). Sized from a probe at nice 15 on
-# these 2 cores while other jobs shared them (2026-12-03): 12 layers at 8 x 1024 tokens per step ran 11-33 s a
-# step on 0.5-1.0 cores (250-720 tokens/s), i.e. an estimated ~1.2k tokens/s on 2 quiet cores; attention over 1024
-# positions is about half the FLOPs. 1400 steps x 4 x 1024 = 5.7M tokens is then ~80 min of training plus ~6 min
-# of evaluation. 25M tokens (--max-steps 6100) would take ~6 h: resumable, but not a 90-minute recipe.
+# The deep teacher (docs/teacher.md, "A deep teacher for the fidelity study"). Measured on 2 quiet cores: the
+# first design (random init, 32 experts x moe_intermediate 32, 5.4M parameters) trained at 2.4-2.9k tokens/s and
+# never learnt retrieval from the prompt in 30M tokens (7.5 h; lookup 0.0-0.1). Since 2026-12-03 (fourth session) it
+# is grown from the shipped teacher (--grow-from, below), which needs the shipped MoE shape (64 experts x 48):
+# 14.9M parameters, ~1.9k tokens/s, so 3000 steps x 4 x 1024 = 12.3M tokens take ~1 h 50 min (resumable).
 DEEP_PRESET = {
     "out": str(REPO / "outputs" / "teacher_deep"),
     "layers": 12,
     "hidden": 128,
-    "experts": 32,
     "top_k": 4,
-    "moe_intermediate": 32,
+    "experts": 64,  # the shipped teacher's MoE shape, so it can be grown from it (--grow-from)
+    "moe_intermediate": 48,
     "aux": 0.001,
+    "grow_from": str(REPO / "slimwise_train" / "assets" / "teacher"),
     "max_positions": 2048,  # twice the training length: long prompts plus long answers in evaluation
     "seq_len": 1024,
     "batch": 4,  # more updates for a small token budget; 4 x 1024 tokens keep ~500 rows per expert matmul
     "lr": 1.5e-3,
     "warmup": 100,
-    "max_steps": 1400,
+    "max_steps": 3000,
     "minutes": 100.0,  # a pause, not the schedule: resume with --resume
     "eval_every": 30.0,
     "eval_n": 10,
@@ -257,6 +259,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     deep.add_argument("--warm-chunks", type=int, default=0, help="data chunks that use --warm-params")
     # not a flag: the data chunk the curriculum starts at (0; a resume that sets --warm-params moves it there)
     parser.set_defaults(warm_from_chunk=0)
+    deep.add_argument("--grow-from", default=None, metavar="PATH|none",
+                      help="a fresh run starts from this shallower Qwen3-MoE teacher grown in depth (each of its layers "
+                           "repeated, the repeats' outputs zeroed, so the grown model computes exactly what it did); "
+                           "the preset grows from the shipped teacher; none: random init")
     deep.add_argument("--no-shot-loss", action="store_true",
                       help="no loss on the solved examples' answers inside few-shot prompts (final answer + EOS only)")
     preset = argparse.ArgumentParser(add_help=False)
@@ -270,6 +276,8 @@ def main(argv=None):
     args = parse_args(argv)
     if args.preset != "deep" and (args.mix is not None or args.warm_params is not None or args.warm_chunks):
         raise SystemExit("--mix, --warm-params and --warm-chunks shape the long-context suite: add --preset deep")
+    if args.preset != "deep" and args.grow_from is not None:
+        raise SystemExit("--grow-from starts the deep teacher from a shallower one: add --preset deep")
     if args.preset == "deep":
         return train_deep(args)
 
@@ -400,6 +408,65 @@ def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
     return argparse.Namespace(**merged)
 
 
+# The deep teacher starts from the shipped one grown in depth. From random init, retrieval from the prompt did not
+# form: 12 layers at 30M tokens still answered lookups with a value of the right column from a random row (value
+# tokens ~1.0 nats, tables of 2-12 rows included), and a 4-layer model trained on lookups alone with tables of 2-12
+# rows sat at answer CE 0.79-0.82 for 4.8M tokens, 17% of its answers even taken from the table. The same 4-layer
+# model started from the shipped teacher left that plateau within 150 steps (0.54 at 1.4M tokens) and answered 0.2
+# of the small-table lookups at 1.7M tokens: the shipped teacher's copying heads carry over (docs/teacher.md).
+GROWTH_SHAPE = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "vocab_size", "norm_topk_prob", "tie_word_embeddings",
+                "rope_parameters", "mlp_only_layers", "decoder_sparse_step")
+
+
+def depth_map(source_layers: int, layers: int) -> list[int]:
+    """Which source layer each grown layer copies: each source layer repeated in place (4 -> 12: 0,0,0,1,1,1,...)."""
+    return [j * source_layers // layers for j in range(layers)]
+
+
+def load_growth_source(args):
+    """The --grow-from teacher (or None for `none` / no flag), checked against the run's shape before anything is
+    written: a mismatch is a one-line error naming every differing key."""
+    if args.grow_from in (None, "none"):
+        return None
+    path = Path(args.grow_from)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--grow-from {path}: no config.json there; pass a saved Qwen3-MoE teacher folder or none")
+    source = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    want = teacher_config(tokenizer, args)
+    differ = [f"{key} {getattr(source.config, key, None)} (run: {getattr(want, key, None)})" for key in GROWTH_SHAPE
+              if getattr(source.config, key, None) != getattr(want, key, None)]
+    if source.config.num_hidden_layers > args.layers:
+        differ.append(f"num_hidden_layers {source.config.num_hidden_layers} (run: {args.layers}, must be >= it)")
+    if differ:
+        raise SystemExit(f"--grow-from {path} does not fit this run: {'; '.join(differ)}; match the flags "
+                         "(--hidden, --experts, --top-k, --moe-intermediate, --layers) or pass --grow-from none")
+    return source
+
+
+@torch.no_grad()
+def grow_depth(source: Qwen3MoeForCausalLM, config: Qwen3MoeConfig) -> Qwen3MoeForCausalLM:
+    """A `config.num_hidden_layers`-layer model computing exactly what `source` computes.
+
+    Every layer is a copy of source layer `depth_map(...)[j]`; the first copy keeps its weights and the others get
+    zero output projections (attention o_proj and every expert's down_proj), so they add nothing to the residual
+    stream until training moves those weights (their gradients are not zero: the inputs of the projections are
+    not). Embeddings, final norm and the tied head are copied. Shapes must match (`load_growth_source` checks)."""
+    grown = Qwen3MoeForCausalLM(config)
+    grown.model.embed_tokens.weight.copy_(source.model.embed_tokens.weight)
+    grown.model.norm.weight.copy_(source.model.norm.weight)
+    if not config.tie_word_embeddings:
+        grown.lm_head.weight.copy_(source.lm_head.weight)
+    mapping = depth_map(source.config.num_hidden_layers, config.num_hidden_layers)
+    for j, i in enumerate(mapping):
+        grown.model.layers[j].load_state_dict(source.model.layers[i].state_dict())
+        if j > 0 and mapping[j - 1] == i:  # a repeat: silent until trained
+            grown.model.layers[j].self_attn.o_proj.weight.zero_()
+            grown.model.layers[j].mlp.experts.down_proj.zero_()
+    return grown
+
+
 def format_eta(seconds: float) -> str:
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m" if seconds >= 3600 else f"{seconds / 60:.1f}m"
 
@@ -426,13 +493,17 @@ def train_deep(args) -> None:
     if args.seq_len > args.max_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
                          "--max-positions")
+    source = None if state is not None else load_growth_source(args)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     if state is None:
         config = teacher_config(tokenizer, args)
         config._attn_implementation = "sdpa"
-        model = Qwen3MoeForCausalLM(config)
+        model = Qwen3MoeForCausalLM(config) if source is None else grow_depth(source, config)
+        if source is not None:
+            print(f"grown from {args.grow_from}: {source.config.num_hidden_layers} -> {args.layers} layers (layer "
+                  f"map {depth_map(source.config.num_hidden_layers, args.layers)})", flush=True)
     else:  # from_pretrained: save_pretrained writes the experts per expert, the model holds them fused
         model = Qwen3MoeForCausalLM.from_pretrained(ckpt, dtype=torch.float32, attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)

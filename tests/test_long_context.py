@@ -180,7 +180,7 @@ def test_packed_batches_resume_at_their_position(tok):
 # a 2-layer deep-preset run that takes seconds; each test adds its schedule, eval size and output folder
 TINY_DEEP = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
              "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--examples-per-chunk", "16",
-             "--heldout-exclude", "20", "--threads", "1"]
+             "--heldout-exclude", "20", "--threads", "1", "--grow-from", "none"]
 
 
 def _train_teacher():
@@ -317,3 +317,45 @@ def test_deep_preset_mixture_and_curriculum_flags(tmp_path, monkeypatch, capsys,
     calls.clear()
     T.main(["--preset", "deep", "--out", str(out), "--resume", "--steps-this-run", "1", "--threads", "1"])
     assert calls[0][1:] == (None, None)
+
+
+def test_deep_preset_grows_from_a_shallower_teacher(tmp_path, capsys, keep_threads):
+    """--grow-from: the grown model computes what its source computes (each source layer repeated, the repeats'
+    outputs zeroed) and its repeats still train; the CLI starts a run from it; a source that does not fit is a
+    one-line error naming the keys, before anything is written."""
+    from transformers import Qwen3MoeForCausalLM
+
+    T = _train_teacher()
+    assert T.depth_map(4, 12) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3] and T.depth_map(2, 5) == [0, 0, 0, 1, 1]
+    tokenizer = AutoTokenizer.from_pretrained(T.TOKENIZER)
+    torch.manual_seed(0)
+    source = Qwen3MoeForCausalLM(T.teacher_config(tokenizer, T.parse_args(TINY_DEEP)))
+    source.save_pretrained(tmp_path / "source")
+    args = T.parse_args([*TINY_DEEP, "--layers", "5", "--grow-from", str(tmp_path / "source")])
+    grown = T.grow_depth(T.load_growth_source(args), T.teacher_config(tokenizer, args))
+    assert len(grown.model.layers) == 5
+    ids = torch.randint(3, len(tokenizer), (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        # tolerance 1e-6: the repeats add zeros to the residual stream, so in practice the logits are equal
+        torch.testing.assert_close(grown(ids).logits, source.eval()(ids).logits, atol=1e-6, rtol=0)
+    repeat = grown.model.layers[1]
+    assert torch.count_nonzero(repeat.self_attn.o_proj.weight) == 0
+    grown.train()(ids, labels=ids).loss.backward()
+    assert repeat.self_attn.o_proj.weight.grad.abs().sum() > 0 and repeat.mlp.experts.down_proj.grad.abs().sum() > 0
+
+    T.main([*TINY_DEEP, "--layers", "3", "--grow-from", str(tmp_path / "source"), "--max-steps", "3", "--warmup",
+            "1", "--final-eval", "1", "--steps-this-run", "1", "--out", str(tmp_path / "run")])
+    assert "grown from" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "checkpoint" / "state.json").read_text())["step"] == 1
+
+    for argv, message in (
+            (["--hidden", "64"], r"hidden_size 32 \(run: 64\)"),
+            (["--layers", "1"], r"num_hidden_layers 2 \(run: 1, must be >= it\)"),
+            (["--experts", "8"], "num_experts 4")):
+        with pytest.raises(SystemExit, match=message):
+            T.main([*TINY_DEEP, *argv, "--grow-from", str(tmp_path / "source"), "--out", str(tmp_path / "bad")])
+    with pytest.raises(SystemExit, match="no config.json"):
+        T.main([*TINY_DEEP, "--grow-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")])
+    with pytest.raises(SystemExit, match="add --preset deep"):
+        T.main(["--grow-from", str(tmp_path / "source"), "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
