@@ -33,8 +33,8 @@ held-out problems per family and writes the checkpoint (safetensors) and a train
 
 `--preset deep` trains the second, deep teacher for the fidelity study (docs/teacher.md, "A deep teacher for the
 fidelity study"), grown from the shipped teacher (`--grow-from`: 4 -> 12 layers, each layer repeated with the
-repeats' outputs zeroed, so training starts from exactly the shipped model), on the long-context suite (slimwise_train/data/synthetic/long_context.py: lookup, toolpick,
-steps, fewshot, plus math / code / tool) packed into 1024-token sequences; it is resumable:
+repeats' outputs zeroed, so training starts from exactly the shipped model), on the long-context suite
+(slimwise_train/data/synthetic/long_context.py: lookup, toolpick, steps, fewshot, plus math / code / tool) packed into 1024-token sequences; it is resumable:
 
     python scripts/train_teacher.py --preset deep --warm-params lookup.min_rows=2,lookup.max_rows=12 --warm-chunks 6
     python scripts/train_teacher.py --preset deep --resume             # continue from outputs/teacher_deep/checkpoint
@@ -136,7 +136,7 @@ def batches(tokenizer, args, exclude):
 # first design (random init, 32 experts x moe_intermediate 32, 5.4M parameters) trained at 2.4-2.9k tokens/s and
 # never learnt retrieval from the prompt in 30M tokens (7.5 h; lookup 0.0-0.1). Since 2026-12-03 (fourth session) it
 # is grown from the shipped teacher (--grow-from, below), which needs the shipped MoE shape (64 experts x 48):
-# 14.9M parameters, ~1.9k tokens/s, so 3000 steps x 4 x 1024 = 12.3M tokens take ~1 h 50 min (resumable).
+# 14.9M parameters, 2.3-2.8k tokens/s on 2 quiet cores: 3000 steps x 4 x 1024 = 12.3M tokens took 103 min.
 DEEP_PRESET = {
     "out": str(REPO / "outputs" / "teacher_deep"),
     "layers": 12,
@@ -410,10 +410,9 @@ def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
 
 # The deep teacher starts from the shipped one grown in depth. From random init, retrieval from the prompt did not
 # form: 12 layers at 30M tokens still answered lookups with a value of the right column from a random row (value
-# tokens ~1.0 nats, tables of 2-12 rows included), and a 4-layer model trained on lookups alone with tables of 2-12
-# rows sat at answer CE 0.79-0.82 for 4.8M tokens, 17% of its answers even taken from the table. The same 4-layer
-# model started from the shipped teacher left that plateau within 150 steps (0.54 at 1.4M tokens) and answered 0.2
-# of the small-table lookups at 1.7M tokens: the shipped teacher's copying heads carry over (docs/teacher.md).
+# tokens ~1.0 nats, tables of 2-12 rows included), and 4-layer models trained on lookups alone with tables of 2-12
+# rows sat at answer CE 0.75-0.82 for 3-5M tokens. The same 4-layer model started from the shipped teacher was below
+# that plateau by step 160 and answered 6 of 30 small-table lookups at ~1.6M tokens (docs/teacher.md).
 GROWTH_SHAPE = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts",
                 "num_experts_per_tok", "moe_intermediate_size", "vocab_size", "norm_topk_prob", "tie_word_embeddings",
                 "rope_parameters", "mlp_only_layers", "decoder_sparse_step")
@@ -424,17 +423,15 @@ def depth_map(source_layers: int, layers: int) -> list[int]:
     return [j * source_layers // layers for j in range(layers)]
 
 
-def load_growth_source(args):
-    """The --grow-from teacher (or None for `none` / no flag), checked against the run's shape before anything is
-    written: a mismatch is a one-line error naming every differing key."""
+def load_growth_source(args, want: Qwen3MoeConfig):
+    """The --grow-from teacher (or None for `none` / no flag), checked against the run's config `want` before
+    anything is written: a mismatch is a one-line error naming every differing key."""
     if args.grow_from in (None, "none"):
         return None
     path = Path(args.grow_from)
     if not (path / "config.json").is_file():
         raise SystemExit(f"--grow-from {path}: no config.json there; pass a saved Qwen3-MoE teacher folder or none")
     source = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
-    want = teacher_config(tokenizer, args)
     differ = [f"{key} {getattr(source.config, key, None)} (run: {getattr(want, key, None)})" for key in GROWTH_SHAPE
               if getattr(source.config, key, None) != getattr(want, key, None)]
     if source.config.num_hidden_layers > args.layers:
@@ -493,12 +490,12 @@ def train_deep(args) -> None:
     if args.seq_len > args.max_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
                          "--max-positions")
-    source = None if state is not None else load_growth_source(args)
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
+    config = teacher_config(tokenizer, args) if state is None else None
+    source = load_growth_source(args, config) if state is None else None
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     if state is None:
-        config = teacher_config(tokenizer, args)
         config._attn_implementation = "sdpa"
         model = Qwen3MoeForCausalLM(config) if source is None else grow_depth(source, config)
         if source is not None:

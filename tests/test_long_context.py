@@ -332,7 +332,8 @@ def test_deep_preset_grows_from_a_shallower_teacher(tmp_path, capsys, keep_threa
     source = Qwen3MoeForCausalLM(T.teacher_config(tokenizer, T.parse_args(TINY_DEEP)))
     source.save_pretrained(tmp_path / "source")
     args = T.parse_args([*TINY_DEEP, "--layers", "5", "--grow-from", str(tmp_path / "source")])
-    grown = T.grow_depth(T.load_growth_source(args), T.teacher_config(tokenizer, args))
+    config = T.teacher_config(tokenizer, args)
+    grown = T.grow_depth(T.load_growth_source(args, config), config)
     assert len(grown.model.layers) == 5
     ids = torch.randint(3, len(tokenizer), (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
