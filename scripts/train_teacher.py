@@ -246,7 +246,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     deep.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")
     deep.add_argument("--steps-this-run", type=int, default=0,
                       help="pause (checkpoint) after this many steps; 0: no limit")
-    deep.add_argument("--log-every", type=int, default=20, help="steps between progress lines")
+    deep.add_argument("--log-every", type=int, default=20, help="steps between progress lines (tokens/s, lr, answer CE overall and per family)")
     deep.add_argument("--examples-per-chunk", type=int, default=2048, help="examples generated and packed at a time")
     deep.add_argument("--heldout-exclude", type=int, default=400,
                       help="held-out problems per family kept out of training (at least --final-eval are)")
@@ -543,6 +543,9 @@ def train_deep(args) -> None:
     next_eval = (math.floor(train_seconds / (args.eval_every * 60)) + 1) * args.eval_every * 60
     first_step, run_tokens = step, 0
     window = {"ce": 0.0, "aux": 0.0, "n": 0}
+    # answer CE per family, token-weighted over the window: the mixture's average hides which skill is forming
+    # (retrieval shows as a drop of lookup's alone; docs/teacher.md)
+    family_ce, family_tokens = torch.zeros(len(DEEP_FAMILIES), dtype=torch.float64), torch.zeros(len(DEEP_FAMILIES))
     stop_reason = None
     # SIGTERM / Ctrl-C: finish the step, checkpoint, exit as a pause (`--resume` continues it)
     stop_signal: list[int] = []
@@ -558,14 +561,22 @@ def train_deep(args) -> None:
     batches = packed_batches(
         tokenizer, chunk_examples,
         seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, start=position,
-        supervise_shots=not args.no_shot_loss)
-    for next_position, ids, labels in ([] if step >= args.max_steps else batches):
+        supervise_shots=not args.no_shot_loss, token_families=DEEP_FAMILIES)
+    for next_position, ids, labels, families in ([] if step >= args.max_steps else batches):
         lr = cosine_lr(args, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         step_start = time.time()
         out_ = model(input_ids=ids, labels=labels, output_router_logits=True)
         ce = out_.loss - args.aux * out_.aux_loss
+        with torch.no_grad():  # the label at t+1 is predicted at t, as in the model's own loss
+            target, owner = labels[:, 1:].reshape(-1), families[:, 1:].reshape(-1)
+            supervised = target != -100
+            token_ce = torch.nn.functional.cross_entropy(
+                out_.logits[:, :-1].reshape(-1, out_.logits.shape[-1])[supervised].float(), target[supervised],
+                reduction="none")
+            family_ce += torch.bincount(owner[supervised], weights=token_ce.double(), minlength=len(DEEP_FAMILIES))
+            family_tokens += torch.bincount(owner[supervised], minlength=len(DEEP_FAMILIES))
         optimizer.zero_grad(set_to_none=True)
         out_.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -587,10 +598,16 @@ def train_deep(args) -> None:
                    "aux": round(window["aux"] / window["n"], 3), "tok_per_s": round(run_tokens / run_elapsed),
                    "cores": round((time.process_time() - run_cpu) / run_elapsed, 2),
                    "lr": round(lr, 6), "train_min": round(train_seconds / 60, 2),
-                   "eta": format_eta(per_step * (args.max_steps - step))}
+                   "eta": format_eta(per_step * (args.max_steps - step)),
+                   "family_ce": {f: round(float(family_ce[i] / family_tokens[i]), 4)
+                                 for i, f in enumerate(DEEP_FAMILIES) if family_tokens[i] > 0},
+                   "family_tokens": {f: int(family_tokens[i]) for i, f in enumerate(DEEP_FAMILIES)
+                                     if family_tokens[i] > 0}}
             log["curve"].append(row)
             print(json.dumps(row), flush=True)
             window = {"ce": 0.0, "aux": 0.0, "n": 0}
+            family_ce.zero_()
+            family_tokens.zero_()
         if train_seconds >= next_eval and step < args.max_steps:
             model.eval()
             result = greedy_accuracy(model, tokenizer, probe, budgets, batch_size=50)

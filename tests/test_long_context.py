@@ -177,6 +177,31 @@ def test_packed_batches_resume_at_their_position(tok):
         assert torch.equal(ids, ids2) and torch.equal(labels, labels2)
 
 
+def test_packed_batches_tag_each_token_with_its_family(tok):
+    def chunk(c):
+        return long_suite(24, 4 + 1000 * c)
+
+    families = tuple(L.LONG_SUITE_WEIGHTS)
+    by_ids = {tuple(L.encode_packed(tok, e)[0]): e.family for c in range(12) for e in chunk(c)}
+    plain = L.packed_batches(tok, chunk, seq_len=256, batch_size=2, seed=4)
+    tagged = L.packed_batches(tok, chunk, seq_len=256, batch_size=2, seed=4, token_families=families)
+    for _ in range(12):
+        (position, ids, labels), (position2, ids2, labels2, owner) = next(plain), next(tagged)
+        assert position == position2 and torch.equal(ids, ids2) and torch.equal(labels, labels2)
+        for row in range(ids.shape[0]):
+            content = (owner[row] >= 0).nonzero().flatten()
+            assert torch.equal(content, torch.arange(len(content)))  # -1 exactly on the padding after the content
+            ends = (ids[row, : len(content)] == tok.eos_token_id).nonzero().flatten().tolist()
+            start = 0
+            for end in ends:  # each example (up to its EOS) is one family, the one that generated it
+                example = tuple(ids[row, start : end + 1].tolist())
+                assert set(owner[row, start : end + 1].tolist()) == {families.index(by_ids[example])}
+                start = end + 1
+            assert start == len(content)
+    with pytest.raises(ValueError, match="lacks the families"):
+        next(L.packed_batches(tok, chunk, seq_len=256, batch_size=2, token_families=("math",)))
+
+
 # a 2-layer deep-preset run that takes seconds; each test adds its schedule, eval size and output folder
 TINY_DEEP = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts", "4", "--top-k", "2",
              "--moe-intermediate", "16", "--seq-len", "256", "--batch", "2", "--examples-per-chunk", "16",
@@ -205,6 +230,10 @@ def test_deep_preset_checkpoints_and_resumes_exactly(tmp_path, capsys, keep_thre
     T.main(tiny + ["--out", str(tmp_path / "a"), "--steps-this-run", "3"])
     state = json.loads((tmp_path / "a" / "checkpoint" / "state.json").read_text())
     assert state["step"] == 3 and state["args"]["layers"] == 2 and tuple(state["position"]) != (0, 0)
+    for row in state["log"]["curve"]:  # per-family answer CE: every supervised token, each counted once
+        ce, n = row["family_ce"], row["family_tokens"]
+        assert set(ce) == set(n) and set(n) <= set(T.DEEP_FAMILIES) and len(n) >= 2
+        assert sum(ce[f] * n[f] for f in n) / sum(n.values()) == pytest.approx(row["answer_ce"], abs=1e-3)
     assert {"model.safetensors", "optimizer.pt", "rng.pt", "config.json"} <= {
         p.name for p in (tmp_path / "a" / "checkpoint").iterdir()}
     with pytest.raises(SystemExit, match="--resume"):  # an existing checkpoint is never overwritten silently

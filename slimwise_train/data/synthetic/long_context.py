@@ -587,13 +587,14 @@ def encode_packed(tokenizer, example, *, supervise_shots: bool = True) -> tuple[
     return ids, labels
 
 
-def pack_sequences(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int, seed: int = 0
-                   ) -> tuple[list[tuple[list[int], list[int]]], int]:
+def pack_sequences(encoded: Sequence[tuple[list[int], ...]], seq_len: int, seed: int = 0
+                   ) -> tuple[list[tuple[list[int], ...]], int]:
     """First-fit-decreasing packing of whole examples into sequences of at most ``seq_len`` tokens.
 
-    Returns (sequences, dropped): each sequence is the concatenation (ids, labels) of some examples in a shuffled
-    order (so short examples also sit late in a sequence), unpadded; examples longer than ``seq_len`` are dropped
-    and counted, never cut (a cut answer would teach a wrong end). Deterministic for ``seed``."""
+    ``encoded``: per example a tuple of equally long per-token lists, ``(ids, labels)`` or ``(ids, labels, more)``.
+    Returns (sequences, dropped): each sequence concatenates, list by list, some examples in a shuffled order (so
+    short examples also sit late in a sequence), unpadded; examples longer than ``seq_len`` are dropped and
+    counted, never cut (a cut answer would teach a wrong end). Deterministic for ``seed``."""
     if seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {seq_len}")
     order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i][0]))
@@ -617,7 +618,8 @@ def pack_sequences(encoded: Sequence[tuple[list[int], list[int]]], seq_len: int,
     sequences = []
     for members in bins:
         rng.shuffle(members)
-        sequences.append(([t for i in members for t in encoded[i][0]], [t for i in members for t in encoded[i][1]]))
+        fields = range(len(encoded[members[0]]))
+        sequences.append(tuple([t for i in members for t in encoded[i][k]] for k in fields))
     return sequences, dropped
 
 
@@ -626,10 +628,14 @@ def _stable_seed(*parts: object) -> int:
 
 
 def packed_batches(tokenizer, make_examples: Callable[[int], Sequence], *, seq_len: int = 1024, batch_size: int = 8,
-                   seed: int = 2025, start: tuple[int, int] = (0, 0), supervise_shots: bool = True
-                   ) -> Iterator[tuple[tuple[int, int], Any, Any]]:
+                   seed: int = 2025, start: tuple[int, int] = (0, 0), supervise_shots: bool = True,
+                   token_families: Sequence[str] | None = None) -> Iterator[tuple]:
     """Endless ``(position, input_ids, labels)`` training batches of packed sequences, right-padded to the batch's
     longest sequence (padding after the content needs no attention mask under causal attention).
+
+    With ``token_families`` (family names) each batch also carries ``families`` [batch, width]: per token the index
+    in ``token_families`` of the example it belongs to, -1 on padding, so a trainer can report its loss per family
+    (``(position, input_ids, labels, families)``; the other three are the same as without it).
 
     Chunk ``c`` is ``make_examples(c)`` (e.g. ``suite.long_suite(n, seed + 1000 * c, exclude=...)``), packed and
     shuffled; ``position`` is ``(chunk, next batch index)`` AFTER this batch, so passing it back as ``start``
@@ -638,17 +644,30 @@ def packed_batches(tokenizer, make_examples: Callable[[int], Sequence], *, seq_l
 
     chunk, skip = start
     while True:
-        encoded = [encode_packed(tokenizer, e, supervise_shots=supervise_shots) for e in make_examples(chunk)]
+        examples = make_examples(chunk)
+        encoded = [encode_packed(tokenizer, e, supervise_shots=supervise_shots) for e in examples]
+        if token_families is not None:
+            unknown = sorted({e.family for e in examples} - set(token_families))
+            if unknown:
+                raise ValueError(f"token_families {list(token_families)} lacks the families {unknown}")
+            encoded = [(ids, labels, [token_families.index(e.family)] * len(ids))
+                       for e, (ids, labels) in zip(examples, encoded)]
         sequences, _ = pack_sequences(encoded, seq_len, seed=_stable_seed(seed, "pack", chunk))
         random.Random(_stable_seed(seed, "batches", chunk)).shuffle(sequences)
         batches = [sequences[i : i + batch_size] for i in range(0, len(sequences) - batch_size + 1, batch_size)]
         for index in range(skip, len(batches)):
             group = batches[index]
-            width = max(len(ids) for ids, _ in group)
+            width = max(len(sequence[0]) for sequence in group)
             ids = torch.full((len(group), width), tokenizer.pad_token_id, dtype=torch.long)
             labels = torch.full((len(group), width), -100, dtype=torch.long)
-            for row, (seq_ids, seq_labels) in enumerate(group):
-                ids[row, : len(seq_ids)] = torch.tensor(seq_ids)
-                labels[row, : len(seq_labels)] = torch.tensor(seq_labels)
-            yield (chunk, index + 1), ids, labels
+            families = torch.full((len(group), width), -1, dtype=torch.long)
+            for row, sequence in enumerate(group):
+                ids[row, : len(sequence[0])] = torch.tensor(sequence[0])
+                labels[row, : len(sequence[1])] = torch.tensor(sequence[1])
+                if token_families is not None:
+                    families[row, : len(sequence[2])] = torch.tensor(sequence[2])
+            if token_families is None:
+                yield (chunk, index + 1), ids, labels
+            else:
+                yield (chunk, index + 1), ids, labels, families
         chunk, skip = chunk + 1, 0
