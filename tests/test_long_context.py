@@ -121,6 +121,28 @@ def test_answers_are_copied_from_the_prompt():
         assert len(L._parse_toolpick(e.prompt)[0]) >= 2
 
 
+# sha256 of lookup's first 60 examples for seeds 0 and 7, before name_key_share existed: its default keeps them
+DEFAULT_LOOKUP_DIGEST = "2971219907e5bc576b8e8da357f54b0eecf9a8274abf79509b1c08c068693a52"
+
+
+def test_lookup_key_share_and_recall_curriculum():
+    digest = hashlib.sha256()
+    for seed in (0, 7):
+        for e in S.generate("lookup", 60, seed):
+            digest.update((e.prompt + "\x00" + e.answer + "\x01").encode())
+    assert digest.hexdigest() == DEFAULT_LOOKUP_DIGEST
+    recall = dict(min_columns=0, max_columns=0, min_rows=8, max_rows=20, min_steps=12, max_steps=24)
+    for share, keys in ((1, {"name"}), (0, {"id"})):
+        for e in S.generate("lookup", 20, 3, name_key_share=share, **recall):
+            columns, _, lines = L._parse_lookup(e.prompt)
+            questions = lines[::2]  # question, its solved answer, ..., the asked question
+            assert columns == ["name", "id"] and len(questions) >= 2  # solved questions on the same table
+            assert {re.match(r"find (\w+)=", q).group(1) for q in questions} == keys
+            assert S.check("lookup", e.prompt, e.answer)
+    with pytest.raises(ValueError, match="name_key_share must be in"):
+        S.generate("lookup", 1, 0, name_key_share=1.5)
+
+
 def test_long_heldout_of_the_short_families_is_the_eval_split():
     recipe = S.recipe_params(S.load_recipe())
     expected = [e for f in S.FAMILIES for e in S.heldout(f, 20, 0, **recipe[f])]

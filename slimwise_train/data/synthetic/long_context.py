@@ -19,7 +19,9 @@ Families (``LONG_FAMILIES``; prompts may span several lines, answers never conta
     find id=482: name                    -> name=kalo
 
   ``min_steps..max_steps`` is the number of questions on the table: all but the last are solved in the prompt
-  (query line, then its answer line: a few-shot prompt sharing the document); the last is asked.
+  (query line, then its answer line: a few-shot prompt sharing the document); the last is asked. A question finds
+  its row by name with probability ``name_key_share`` (0.5), else by id; ``min_columns=0,max_columns=0`` leaves
+  only name and id (plain recall of the adjacent cell, a curriculum's first stage; docs/teacher.md).
 
 ``toolpick``  8-20 tool schemas (one per intent, each intent has two spellings with different names and argument
 names, so the call depends on the list, not on the request alone), then requests; argument values are copied::
@@ -92,6 +94,7 @@ LONG_DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
         "min_columns": 1,  # attribute columns besides name and id
         "max_columns": 3,
         "max_fields": 2,  # fields asked per question
+        "name_key_share": 0.5,  # share of questions that find the row by name (the others by id)
         "max_chars": 1000,
     },
     "toolpick": {
@@ -144,7 +147,9 @@ def _lookup_name(rng: random.Random) -> str:
 
 def _lookup_question(rng: random.Random, columns: Sequence[str], rows: Sequence[dict], target: int, p: dict) -> str:
     """A query line about row ``target``: by name or by id, for 1..max_fields other columns (in table order)."""
-    key = rng.choice(("name", "id"))
+    share = float(p["name_key_share"])
+    # 0.5 draws the key as before the parameter existed, so the default streams are unchanged
+    key = rng.choice(("name", "id")) if share == 0.5 else ("name" if rng.random() < share else "id")
     others = [c for c in columns if c != key]
     fields = sorted(rng.sample(others, rng.randint(1, min(int(p["max_fields"]), len(others)))), key=columns.index)
     return f"find {key}={rows[target][key]}: {','.join(fields)}"
@@ -515,6 +520,9 @@ def check_long_params(task: str, p: dict) -> None:
                          f"{p['min_rows']}..{p['max_rows']}")
     if task == "lookup" and not 0 <= int(p["min_columns"]) <= int(p["max_columns"]) <= len(_LOOKUP_COLUMNS):
         raise ValueError(f"lookup needs 0 <= min_columns <= max_columns <= {len(_LOOKUP_COLUMNS)}")
+    if task == "lookup" and not 0 <= float(p["name_key_share"]) <= 1:
+        raise ValueError(f"lookup name_key_share must be in [0, 1] (the share of questions keyed by name), got "
+                         f"{p['name_key_share']}")
     if task == "toolpick" and not 1 <= int(p["min_offered"]) <= int(p["max_offered"]):
         raise ValueError(f"toolpick needs 1 <= min_offered <= max_offered (at most {len(_TP_INTENTS)} intents)")
     if task == "fewshot" and (not p["bases"] or set(p["bases"]) - set(FEWSHOT_BASES)):
