@@ -246,7 +246,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     deep.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")
     deep.add_argument("--steps-this-run", type=int, default=0,
                       help="pause (checkpoint) after this many steps; 0: no limit")
-    deep.add_argument("--log-every", type=int, default=20, help="steps between progress lines (tokens/s, lr, answer CE overall and per family)")
+    deep.add_argument("--log-every", type=int, default=20,
+                      help="steps between progress lines (tokens/s, lr, answer CE overall and per family)")
     deep.add_argument("--examples-per-chunk", type=int, default=2048, help="examples generated and packed at a time")
     deep.add_argument("--heldout-exclude", type=int, default=400,
                       help="held-out problems per family kept out of training (at least --final-eval are)")

@@ -655,10 +655,11 @@ def packed_batches(tokenizer, make_examples: Callable[[int], Sequence], *, seq_l
         examples = make_examples(chunk)
         encoded = [encode_packed(tokenizer, e, supervise_shots=supervise_shots) for e in examples]
         if token_families is not None:
-            unknown = sorted({e.family for e in examples} - set(token_families))
+            family_index = {family: i for i, family in enumerate(token_families)}
+            unknown = sorted({e.family for e in examples} - family_index.keys())
             if unknown:
                 raise ValueError(f"token_families {list(token_families)} lacks the families {unknown}")
-            encoded = [(ids, labels, [token_families.index(e.family)] * len(ids))
+            encoded = [(ids, labels, [family_index[e.family]] * len(ids))
                        for e, (ids, labels) in zip(examples, encoded)]
         sequences, _ = pack_sequences(encoded, seq_len, seed=_stable_seed(seed, "pack", chunk))
         random.Random(_stable_seed(seed, "batches", chunk)).shuffle(sequences)
@@ -668,14 +669,14 @@ def packed_batches(tokenizer, make_examples: Callable[[int], Sequence], *, seq_l
             width = max(len(sequence[0]) for sequence in group)
             ids = torch.full((len(group), width), tokenizer.pad_token_id, dtype=torch.long)
             labels = torch.full((len(group), width), -100, dtype=torch.long)
-            families = torch.full((len(group), width), -1, dtype=torch.long)
             for row, sequence in enumerate(group):
                 ids[row, : len(sequence[0])] = torch.tensor(sequence[0])
                 labels[row, : len(sequence[1])] = torch.tensor(sequence[1])
-                if token_families is not None:
-                    families[row, : len(sequence[2])] = torch.tensor(sequence[2])
             if token_families is None:
                 yield (chunk, index + 1), ids, labels
-            else:
-                yield (chunk, index + 1), ids, labels, families
+                continue
+            families = torch.full((len(group), width), -1, dtype=torch.long)
+            for row, sequence in enumerate(group):
+                families[row, : len(sequence[2])] = torch.tensor(sequence[2])
+            yield (chunk, index + 1), ids, labels, families
         chunk, skip = chunk + 1, 0
