@@ -32,9 +32,11 @@ family reaches `--target` (or the time budget ends); then it evaluates the final
 held-out problems per family and writes the checkpoint (safetensors) and a training log, atomically.
 
 `--preset deep` trains the second, deep teacher for the fidelity study (docs/teacher.md, "A deep teacher for the
-fidelity study"), grown from the shipped teacher (`--grow-from`: 4 -> 12 layers, each layer repeated with the
-repeats' outputs zeroed, so training starts from exactly the shipped model), on the long-context suite
-(slimwise_train/data/synthetic/long_context.py: lookup, toolpick, steps, fewshot, plus math / code / tool) packed into 1024-token sequences; it is resumable:
+fidelity study"); its staged recipe (recall, mixture at 4 layers, then depth) is scripts/train_deep_teacher.py, each
+stage one `--preset deep` run. By default the preset grows the model from the shipped teacher (`--grow-from`: 4 -> 12
+layers, each layer repeated with the repeats' outputs zeroed, so training starts from exactly the shipped model) and
+trains it on the long-context suite (slimwise_train/data/synthetic/long_context.py: lookup, toolpick, steps, fewshot,
+plus math / code / tool) packed into 1024-token sequences; it is resumable:
 
     python scripts/train_teacher.py --preset deep --warm-params lookup.min_rows=2,lookup.max_rows=12 --warm-chunks 6
     python scripts/train_teacher.py --preset deep --resume             # continue from outputs/teacher_deep/checkpoint
@@ -243,6 +245,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     deep.add_argument("--extend-schedule", type=int, default=None, metavar="STEPS",
                       help="with --resume: a longer schedule, the cosine re-planned to end at STEPS (the lr steps up "
                            "to the new curve's value at the current step); STEPS >= the checkpoint's step")
+    deep.add_argument("--end-at", type=int, default=None, metavar="STEP",
+                      help="finish (final eval, <out>/final) at this step, before the cosine planned to --max-steps "
+                           "ends: a stage of a longer schedule (scripts/train_deep_teacher.py)")
     deep.add_argument("--checkpoint-every", type=float, default=10.0, help="minutes between checkpoints")
     deep.add_argument("--steps-this-run", type=int, default=0,
                       help="pause (checkpoint) after this many steps; 0: no limit")
@@ -406,6 +411,7 @@ def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
             raise SystemExit(f"--extend-schedule {args.extend_schedule} is before the checkpoint's step "
                              f"{state['step']}; pass a step count >= {state['step']}")
         merged["max_steps"] = args.extend_schedule
+        merged["end_at"] = None  # the longer schedule runs to its end
     return argparse.Namespace(**merged)
 
 
@@ -488,6 +494,10 @@ def train_deep(args) -> None:
     elif ckpt.exists() and not args.overwrite:
         raise SystemExit(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
                          "start over")
+    end_at = args.max_steps if getattr(args, "end_at", None) is None else args.end_at
+    if not 1 <= end_at <= args.max_steps:
+        raise SystemExit(f"--end-at {end_at} must be between 1 and --max-steps {args.max_steps}; pass a step "
+                         "inside the schedule")
     if args.seq_len > args.max_positions:
         raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
                          "--max-positions")
@@ -563,7 +573,7 @@ def train_deep(args) -> None:
         tokenizer, chunk_examples,
         seq_len=args.seq_len, batch_size=args.batch, seed=args.seed, start=position,
         supervise_shots=not args.no_shot_loss, token_families=DEEP_FAMILIES)
-    for next_position, ids, labels, families in ([] if step >= args.max_steps else batches):
+    for next_position, ids, labels, families in ([] if step >= end_at else batches):
         lr = cosine_lr(args, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -592,14 +602,14 @@ def train_deep(args) -> None:
         window["ce"] += float(ce.detach())
         window["aux"] += float(out_.aux_loss.detach())
         window["n"] += 1
-        if step % args.log_every == 0 or step == args.max_steps:
+        if step % args.log_every == 0 or step == end_at:
             run_elapsed = time.time() - run_start
             per_step = run_elapsed / max(step - first_step, 1)
             row = {"step": step, "tokens": tokens, "answer_ce": round(window["ce"] / window["n"], 4),
                    "aux": round(window["aux"] / window["n"], 3), "tok_per_s": round(run_tokens / run_elapsed),
                    "cores": round((time.process_time() - run_cpu) / run_elapsed, 2),
                    "lr": round(lr, 6), "train_min": round(train_seconds / 60, 2),
-                   "eta": format_eta(per_step * (args.max_steps - step)),
+                   "eta": format_eta(per_step * (end_at - step)),
                    "family_ce": {f: round(float(family_ce[i] / family_tokens[i]), 4)
                                  for i, f in enumerate(DEEP_FAMILIES) if family_tokens[i] > 0},
                    "family_tokens": {f: int(family_tokens[i]) for i, f in enumerate(DEEP_FAMILIES)
@@ -609,7 +619,7 @@ def train_deep(args) -> None:
             window = {"ce": 0.0, "aux": 0.0, "n": 0}
             family_ce.zero_()
             family_tokens.zero_()
-        if train_seconds >= next_eval and step < args.max_steps:
+        if train_seconds >= next_eval and step < end_at:
             model.eval()
             result = greedy_accuracy(model, tokenizer, probe, budgets, batch_size=50)
             model.train()
@@ -622,7 +632,7 @@ def train_deep(args) -> None:
             save_checkpoint(ckpt, model, optimizer, current_state())
             last_checkpoint = time.time()
             print(f"checkpoint at step {step} -> {ckpt}", flush=True)
-        if step >= args.max_steps:
+        if step >= end_at:
             break
         out_of_time = time.time() - run_start >= args.minutes * 60
         if out_of_time or stop_signal or (args.steps_this_run and step - first_step >= args.steps_this_run):
@@ -638,7 +648,7 @@ def train_deep(args) -> None:
                         "tokens": run_tokens, "stop": stop_reason})
     save_checkpoint(ckpt, model, optimizer, current_state())
     if stop_reason == "paused":
-        print(f"paused at step {step} of {args.max_steps}; checkpoint {ckpt}; continue with --preset deep --out "
+        print(f"paused at step {step} of {end_at}; checkpoint {ckpt}; continue with --preset deep --out "
               f"{out} --resume", flush=True)
         return
     model.eval()

@@ -121,16 +121,27 @@ def test_answers_are_copied_from_the_prompt():
         assert len(L._parse_toolpick(e.prompt)[0]) >= 2
 
 
-# sha256 of lookup's first 60 examples for seeds 0 and 7, before name_key_share existed: its default keeps them
-DEFAULT_LOOKUP_DIGEST = "2971219907e5bc576b8e8da357f54b0eecf9a8274abf79509b1c08c068693a52"
+# sha256 of lookup's first 60 examples for seeds 0 and 7 under its first defaults (1-3 attribute columns, keyed by
+# name or id at random, 1-6 questions), before name_key_share existed: those parameters, given, keep the streams
+FIRST_LOOKUP_DIGEST = "2971219907e5bc576b8e8da357f54b0eecf9a8274abf79509b1c08c068693a52"
+FIRST_LOOKUP_PARAMS = dict(min_columns=1, max_columns=3, max_steps=6, name_key_share=0.5)
+
+
+def test_lookup_default_is_recall_of_the_cell_after_the_key():
+    for e in S.generate("lookup", 60, seed=5):
+        columns, rows, lines = L._parse_lookup(e.prompt)
+        assert columns == ["name", "id"] and 10 <= len(rows) <= 48 and 1 <= len(lines[::2]) <= 12
+        assert all(re.fullmatch(r"find name=[a-z]+: id", q) for q in lines[::2])
+        name = lines[-1][len("find name="):-len(": id")]
+        assert e.answer == "id=" + next(r["id"] for r in rows if r["name"] == name)
 
 
 def test_lookup_key_share_and_recall_curriculum():
     digest = hashlib.sha256()
     for seed in (0, 7):
-        for e in S.generate("lookup", 60, seed):
+        for e in S.generate("lookup", 60, seed, **FIRST_LOOKUP_PARAMS):
             digest.update((e.prompt + "\x00" + e.answer + "\x01").encode())
-    assert digest.hexdigest() == DEFAULT_LOOKUP_DIGEST
+    assert digest.hexdigest() == FIRST_LOOKUP_DIGEST
     recall = dict(min_columns=0, max_columns=0, min_rows=8, max_rows=20, min_steps=12, max_steps=24)
     for share, keys in ((1, {"name"}), (0, {"id"})):
         for e in S.generate("lookup", 20, 3, name_key_share=share, **recall):
@@ -410,4 +421,49 @@ def test_deep_preset_grows_from_a_shallower_teacher(tmp_path, capsys, keep_threa
         T.main([*TINY_DEEP, "--grow-from", str(tmp_path / "nowhere"), "--out", str(tmp_path / "bad")])
     with pytest.raises(SystemExit, match="add --preset deep"):
         T.main(["--grow-from", str(tmp_path / "source"), "--out", str(tmp_path / "bad")])
+    assert not (tmp_path / "bad").exists()
+
+
+def _train_deep_teacher():
+    spec = importlib.util.spec_from_file_location("train_deep_teacher",
+                                                  ASSETS.parents[1] / "scripts" / "train_deep_teacher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_deep_recipe_runs_its_stages_resumably(tmp_path, monkeypatch, capsys, keep_threads):
+    """scripts/train_deep_teacher.py: each stage a train_teacher run grown from the previous stage's final model;
+    a pause stops the recipe, the same command resumes it and skips finished stages; the last stage's model is
+    copied to <out>/final with the recipe; --end-at finishes a stage before its planned cosine ends."""
+    R = _train_deep_teacher()
+    T = _train_teacher()
+    monkeypatch.setattr(R, "load_train_teacher", lambda: T)
+    monkeypatch.setattr(T, "family_budgets", lambda problems: {p.family: 3 for p in problems})  # a quick eval
+    tiny = [f for f in TINY_DEEP if f not in ("--preset", "deep", "--threads", "1")]
+    tiny = tiny[:tiny.index("--grow-from")]
+    common = (*tiny, "--warmup", "1", "--final-eval", "1")
+    monkeypatch.setattr(R, "STAGES", (
+        R.Stage("first", (*common, "--grow-from", "none", "--max-steps", "6", "--end-at", "3")),
+        R.Stage("second", (*[f if f != "2" or i != 1 else "3" for i, f in enumerate(common)],
+                           "--grow-from", "{previous}", "--max-steps", "2"))))
+    assert R.STAGES[1].flags[:2] == ("--layers", "3")
+    out = tmp_path / "deep"
+    assert R.main(["--out", str(out), "--threads", "1", "--steps-this-run", "2"]) == 0
+    assert "paused in stage first" in capsys.readouterr().out and not (out / "final").exists()
+    assert R.main(["--out", str(out), "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "stage 1/2 first: resuming" in printed and "grown from" in printed
+    first = json.loads((out / "first" / "final" / "training_log.json").read_text())
+    assert first["steps"] == 3 and first["args"]["max_steps"] == 6  # ended early, the cosine planned to 6
+    second = json.loads((out / "second" / "final" / "training_log.json").read_text())
+    assert second["steps"] == 2 and second["args"]["grow_from"] == str(out / "first" / "final")
+    recipe = json.loads((out / "final" / "recipe.json").read_text())
+    assert [r["stage"] for r in recipe["results"]] == ["first", "second"]
+    assert (out / "final" / "model.safetensors").read_bytes() == (
+        out / "second" / "final" / "model.safetensors").read_bytes()
+    assert R.main(["--out", str(out), "--threads", "1"]) == 0  # nothing left to do: both stages skipped
+    assert capsys.readouterr().out.count(": done (") == 2
+    with pytest.raises(SystemExit, match="--end-at 9 must be between 1 and --max-steps 6"):
+        T.main([*TINY_DEEP, "--max-steps", "6", "--end-at", "9", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()

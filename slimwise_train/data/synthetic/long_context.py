@@ -10,18 +10,22 @@ and never imports it (``suite`` passes fewshot its base families).
 
 Families (``LONG_FAMILIES``; prompts may span several lines, answers never contain a newline)
 ------------------------------------------------------------------------------------------------
-``lookup``  a table of 10-48 records in the prompt, questions about one record; the answer is copied::
+``lookup``  multi-query associative recall over a table of 10-48 records in the prompt: each question finds a
+row by its key (the first column) and the answer copies the value after it::
 
-    table: name|id|city|item
-    kalo|482|Oslo|fox
-    mirute|915|Lima|cup
-    find name=mirute: city,item          -> city=Lima;item=cup
-    find id=482: name                    -> name=kalo
+    table: name|id
+    kalo|482
+    mirute|915
+    find name=mirute: id                 -> id=915
 
-  ``min_steps..max_steps`` is the number of questions on the table: all but the last are solved in the prompt
-  (query line, then its answer line: a few-shot prompt sharing the document); the last is asked. A question finds
-  its row by name with probability ``name_key_share`` (0.5), else by id; ``min_columns=0,max_columns=0`` leaves
-  only name and id (plain recall of the adjacent cell, a curriculum's first stage; docs/teacher.md).
+  ``min_steps..max_steps`` (1-12) is the number of questions on the table: all but the last are solved in the
+  prompt (query line, then its answer line: a few-shot prompt sharing the document); the last is asked. Harder
+  forms stay available as parameters: ``min_columns..max_columns`` attribute columns after id (``city``, ``item``,
+  ... asked 1..``max_fields`` at a time: ``find name=mirute: city,item -> city=Lima;item=cup``) and
+  ``name_key_share`` < 1 (the share of questions keyed by name; the others find the row by id and may ask for the
+  name *before* it). The defaults ask only for the cell after the key: on 4-layer models grown from the shipped
+  teacher that recall formed in ~7M tokens (0.80), while the reverse direction (id -> name) and attribute columns
+  did not form in 3-27M tokens (docs/teacher.md, 2026-12-04), out of reach of a deep teacher trained on 2 cores.
 
 ``toolpick``  8-20 tool schemas (one per intent, each intent has two spellings with different names and argument
 names, so the call depends on the list, not on the request alone), then requests; argument values are copied::
@@ -35,7 +39,7 @@ names, so the call depends on the list, not on the request alone), then requests
   ``min_steps..max_steps`` is the number of requests (solved ones before the asked one, as for lookup).
 
 ``steps``  a long left-to-right chain with every running total written out (the math family's answer format,
-10-32 operations, 100-400 answer tokens), so runaway or collapsed lengths under pruning are visible::
+8-20 operations, 80-230 answer tokens), so runaway or collapsed lengths under pruning are visible::
 
     steps: 57 +53 -25 *3 +52
     -> 57+53=110;110-25=85;85*3=255;255+52=307;A=307
@@ -88,13 +92,13 @@ _NL = "\n"  # the suite's SEP; kept local so this module does not import suite (
 LONG_DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
     "lookup": {
         "min_steps": 1,  # questions on the table (the last one is asked, the others are solved in the prompt)
-        "max_steps": 6,
+        "max_steps": 12,
         "min_rows": 10,
         "max_rows": 48,
-        "min_columns": 1,  # attribute columns besides name and id
-        "max_columns": 3,
+        "min_columns": 0,  # attribute columns besides name and id (a harder form; docs/teacher.md)
+        "max_columns": 0,
         "max_fields": 2,  # fields asked per question
-        "name_key_share": 0.5,  # share of questions that find the row by name (the others by id)
+        "name_key_share": 1.0,  # share of questions that find the row by name (the others by id)
         "max_chars": 1000,
     },
     "toolpick": {
@@ -105,8 +109,8 @@ LONG_DEFAULT_PARAMS: dict[str, dict[str, Any]] = {
         "max_chars": 1000,
     },
     "steps": {
-        "min_steps": 10,  # operations per chain
-        "max_steps": 32,
+        "min_steps": 8,  # operations per chain
+        "max_steps": 20,
         "op_weights": (0.45, 0.35, 0.2),  # + - *
         "max_value": 999,
         "max_multiplier": 9,

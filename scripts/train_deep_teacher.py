@@ -1,0 +1,136 @@
+"""Train the deep teacher of the fidelity study (slimwise_train/assets/teacher_deep) by its staged recipe.
+
+    python scripts/train_deep_teacher.py                  # every stage; after a pause, the same command continues
+    python scripts/train_deep_teacher.py --minutes 30     # pause (checkpoint) after 30 minutes of this run
+
+Each stage is one `scripts/train_teacher.py --preset deep` run in `<out>/<stage>/`, started from the previous
+stage's final model (`--grow-from`); a finished stage (`<out>/<stage>/final/`) is skipped, a paused one resumed
+from its checkpoint, so rerunning the command is always safe. The last stage's model is copied to `<out>/final/`
+(copy that folder into slimwise_train/assets/teacher_deep to ship it). Why these stages (docs/teacher.md):
+
+1. ``recall`` (4 layers, from the shipped teacher): lookups alone, dense questions on small tables. Recall of the
+   cell after a key forms as a phase change after ~6-8M tokens of such questions, and not within 27M tokens when
+   the mixture's other families share the steps.
+2. ``mixture`` (4 layers): the whole long-context mixture (lookups weighted 2), where 4 layers train ~3x faster
+   per token than 12; the other families come back from the shipped teacher's skills.
+3. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
+   what the 4-layer one does), then trained on the mixture at a lower lr so the new layers take part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = str(REPO / "slimwise_train" / "assets" / "teacher")
+ONLY_LOOKUP = "lookup=1,toolpick=0,steps=0,fewshot=0,math=0,code=0,tool=0"
+
+
+class Stage(NamedTuple):
+    name: str
+    flags: tuple[str, ...]  # train_teacher.py --preset deep flags; "{previous}" is the previous stage's final model
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("recall", (
+        "--layers", "4", "--grow-from", SHIPPED, "--lr", "1e-3", "--warmup", "100",
+        # the cosine planned over 4000 steps, ended at 2061: where recall had formed (0.80 on its tables)
+        "--max-steps", "4000", "--end-at", "2061", "--mix", ONLY_LOOKUP,
+        "--warm-params", "lookup.min_columns=0,lookup.max_columns=0,lookup.min_rows=8,lookup.max_rows=20,"
+                         "lookup.min_steps=12,lookup.max_steps=24,lookup.name_key_share=1",
+        "--warm-chunks", "1000", "--final-eval", "20")),
+    Stage("mixture", (
+        "--layers", "4", "--grow-from", "{previous}", "--lr", "1e-3", "--warmup", "100", "--max-steps", "7000",
+        "--mix", "lookup=2")),
+    Stage("depth", (
+        "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000")),
+)
+
+
+def load_train_teacher():
+    spec = importlib.util.spec_from_file_location("train_teacher", REPO / "scripts" / "train_teacher.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "outputs" / "teacher_deep"))
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="pause (checkpoint) after this many minutes of this run; default: run every stage")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps-this-run", type=int, default=0,
+                        help="pause the stage in progress after this many steps (0: no limit)")
+    args = parser.parse_args(argv)
+    if args.minutes is not None and not args.minutes > 0:
+        parser.error(f"--minutes must be > 0, got {args.minutes}")
+    return args
+
+
+def stage_argv(stage: Stage, folder: Path, previous: Path | None) -> list[str]:
+    flags = [str(previous) if f == "{previous}" else f for f in stage.flags]
+    if "{previous}" in stage.flags and previous is None:
+        raise ValueError(f"stage {stage.name} starts from the previous stage's model, but it is the first")
+    return ["--preset", "deep", "--out", str(folder), *flags]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    train_teacher = load_train_teacher()
+    out = Path(args.out)
+    start = time.time()
+    previous: Path | None = None
+    summary = []
+    for number, stage in enumerate(STAGES, 1):
+        folder = out / stage.name
+        final = folder / "final"
+        if (final / "model.safetensors").is_file():
+            print(f"stage {number}/{len(STAGES)} {stage.name}: done ({final})", flush=True)
+        else:
+            controls = ["--threads", str(args.threads), "--steps-this-run", str(args.steps_this_run)]
+            if args.minutes is not None:
+                left = args.minutes - (time.time() - start) / 60
+                if left <= 0:
+                    print(f"paused before stage {stage.name}; rerun the same command to continue", flush=True)
+                    return 0
+                controls += ["--minutes", f"{left:.2f}"]
+            else:
+                controls += ["--minutes", "100000"]
+            resume = (folder / "checkpoint" / "state.json").is_file()
+            print(f"stage {number}/{len(STAGES)} {stage.name}: {'resuming' if resume else 'starting'} in {folder}",
+                  flush=True)
+            train_argv = (["--preset", "deep", "--out", str(folder), "--resume"] if resume
+                          else stage_argv(stage, folder, previous))
+            train_teacher.main(train_argv + controls)
+            if not (final / "model.safetensors").is_file():
+                print(f"paused in stage {stage.name}; rerun the same command to continue", flush=True)
+                return 0
+        log = json.loads((final / "training_log.json").read_text())
+        summary.append({"stage": stage.name, "steps": log["steps"], "tokens": log["tokens"],
+                        "train_minutes": round(log["train_seconds"] / 60, 1),
+                        **{f: r["accuracy"] for f, r in log["final_eval"].items()}})
+        previous = final
+    from slimwise_train.utils.atomic import atomic_dir
+
+    with atomic_dir(out / "final", overwrite=True) as tmp:
+        shutil.copytree(previous, tmp, dirs_exist_ok=True)
+        (tmp / "recipe.json").write_text(json.dumps(
+            {"stages": [{"name": s.name, "flags": list(s.flags)} for s in STAGES], "results": summary},
+            indent=1) + "\n")
+    for row in summary:
+        print(json.dumps(row), flush=True)
+    print(f"deep teacher: {out / 'final'} (copy it to slimwise_train/assets/teacher_deep to ship it)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))
+    sys.exit(main())
