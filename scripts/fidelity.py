@@ -364,7 +364,7 @@ def main() -> None:
         path = REPO / "slimwise_train" / "assets" / teacher
         if not (path / "config.json").is_file():
             raise SystemExit(f"fidelity: --teachers {teacher}: no shipped checkpoint at {path}; train it with "
-                             "`python scripts/train_teacher.py --preset deep` and copy its final/ there")
+                             "`python scripts/train_deep_teacher.py` and copy its final/ there")
     TIMINGS_FILE.append(Path(args.out) / "timings.json")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     timings = json.loads(TIMINGS_FILE[0].read_text()) if TIMINGS_FILE[0].is_file() else {}

@@ -13,7 +13,8 @@ from its checkpoint, so rerunning the command is always safe. The last stage's m
    the mixture's other families share the steps.
 2. ``mixture`` (4 layers): the whole long-context mixture (lookups weighted 2), where 4 layers train ~3x faster
    per token than 12; the other families come back from the shipped teacher's skills.
-3. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
+3. ``focus`` (4 layers): the mixture again from that model, the families still short of 0.9 weighted up.
+4. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
    what the 4-layer one does), then trained on the mixture at a lower lr so the new layers take part.
 """
 
@@ -49,6 +50,11 @@ STAGES: tuple[Stage, ...] = (
     Stage("mixture", (
         "--layers", "4", "--grow-from", "{previous}", "--lr", "1e-3", "--warmup", "100", "--max-steps", "7000",
         "--mix", "lookup=2")),
+    Stage("focus", (
+        # the skills still short after the mixture (toolpick's listed spelling, steps' next operation) weighted up,
+        # the ones already formed (math, tool) down
+        "--layers", "4", "--grow-from", "{previous}", "--lr", "7e-4", "--warmup", "100", "--max-steps", "7000",
+        "--mix", "lookup=2,toolpick=2,steps=1.6,math=0.6,tool=0.3")),
     Stage("depth", (
         "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000")),
 )
