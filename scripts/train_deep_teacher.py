@@ -14,7 +14,9 @@ from its checkpoint, so rerunning the command is always safe. The last stage's m
 2. ``mixture`` (4 layers): the whole long-context mixture (lookups weighted 2), where 4 layers train ~3x faster
    per token than 12; the other families come back from the shipped teacher's skills.
 3. ``focus`` (4 layers): the mixture again from that model, the families still short of 0.9 weighted up.
-4. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
+4. ``toolpick`` (4 layers): toolpick weighted 5 of 10.2. Choosing the listed spelling of a tool forms late; its CE
+   per token hides it (one decisive token per ~43-token call), the held-out checks show it.
+5. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
    what the 4-layer one does), then trained on the mixture at a lower lr so the new layers take part.
 """
 
@@ -55,8 +57,12 @@ STAGES: tuple[Stage, ...] = (
         # the ones already formed (math, tool) down
         "--layers", "4", "--grow-from", "{previous}", "--lr", "7e-4", "--warmup", "100", "--max-steps", "7000",
         "--mix", "lookup=2,toolpick=2,steps=1.6,math=0.6,tool=0.3")),
+    Stage("toolpick", (
+        "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3000",
+        "--mix", "toolpick=5,lookup=1.5,steps=1,code=1.2,fewshot=0.7,math=0.4,tool=0.4")),
     Stage("depth", (
-        "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000")),
+        "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000",
+        "--mix", "toolpick=2.5,lookup=2,steps=1.2,code=1.2,fewshot=0.8,math=0.5,tool=0.4")),
 )
 
 

@@ -467,3 +467,19 @@ def test_deep_recipe_runs_its_stages_resumably(tmp_path, monkeypatch, capsys, ke
     with pytest.raises(SystemExit, match="--end-at 9 must be between 1 and --max-steps 6"):
         T.main([*TINY_DEEP, "--max-steps", "6", "--end-at", "9", "--out", str(tmp_path / "bad")])
     assert not (tmp_path / "bad").exists()
+
+
+def test_deep_recipe_stages_parse(tmp_path):
+    """Every stage of the real recipe is a valid train_teacher command (a typo would otherwise surface only when
+    its stage starts, an hour into the recipe): the flags parse, the mixes name known families, each stage after
+    the first grows from the previous one, and the last one has at least 12 layers."""
+    R, T = _train_deep_teacher(), _train_teacher()
+    assert R.STAGES and len({s.name for s in R.STAGES}) == len(R.STAGES)
+    layers = []
+    for number, stage in enumerate(R.STAGES):
+        flags = [f.replace("{previous}", str(tmp_path / "previous")) for f in stage.flags]
+        args = T.parse_args(["--preset", "deep", *flags, "--out", str(tmp_path / stage.name)])
+        assert ("{previous}" in stage.flags) == (number > 0), stage.name
+        assert args.max_steps > 0 and args.lr > 0 and (args.end_at is None or args.end_at <= args.max_steps)
+        layers.append(args.layers)
+    assert layers[-1] >= 12 and layers == sorted(layers)
