@@ -16,7 +16,8 @@ from its checkpoint, so rerunning the command is always safe. The last stage's m
 3. ``focus`` (4 layers): the mixture again from that model, the families still short of 0.9 weighted up.
 4. ``toolpick`` (4 layers): toolpick weighted 5 of 10.2. Choosing the listed spelling of a tool forms late; its CE
    per token hides it (one decisive token per ~43-token call), the held-out checks show it.
-5. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
+5. ``focus2`` (4 layers): the mixture weighted to the families still short (toolpick, steps, fewshot rose to 0.875).
+6. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
    what the 4-layer one does), then trained on the mixture at a lower lr so the new layers take part.
 """
 
@@ -60,6 +61,9 @@ STAGES: tuple[Stage, ...] = (
     Stage("toolpick", (
         "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3000",
         "--mix", "toolpick=5,lookup=1.5,steps=1,code=1.2,fewshot=0.7,math=0.4,tool=0.4")),
+    Stage("focus2", (
+        "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3400",
+        "--mix", "toolpick=3,lookup=2.5,steps=1.5,code=1.5,fewshot=1.2,math=0.4,tool=0.3")),
     Stage("depth", (
         "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000",
         "--mix", "toolpick=2.5,lookup=2,steps=1.2,code=1.2,fewshot=0.8,math=0.5,tool=0.4")),
