@@ -1,6 +1,7 @@
-"""The method's four findings, measured on both shipped teachers: writes docs/fidelity.md (issue 23).
+"""The method's four findings, measured on the shipped teachers: writes docs/fidelity.md (issue 23).
 
-    python scripts/fidelity.py                       # both teachers, ~60 min on 2 CPU cores; docs/fidelity.md
+    python scripts/fidelity.py                       # every teacher (all must be shipped); docs/fidelity.md
+    python scripts/fidelity.py --teachers teacher teacher_lr_floor   # the two small teachers, 9 min on 2 cores
     FIDELITY_EVAL_N=20 FIDELITY_STEPS=20 python scripts/fidelity.py --teachers teacher --out /tmp/fid --doc /tmp/f.md
 
 The findings (the method's paper), each measured per teacher with the project's own apps (prune, distill, eval):
@@ -47,6 +48,16 @@ TEACHERS = {
         "families": ["math", "code", "tool"],
         "math_like": ["math"], "code_like": ["code"],
         "steps": 1000,
+        "recipe": "demo",
+    },
+    # the previous shipped teacher (cosine to 0.1x the peak lr): same suite and shape, more sensitive to a pruned
+    # prefill, so the handoff has room to help; a second teacher, so no finding rests on one model
+    "teacher_lr_floor": {
+        "model": "teacher_lr_floor",
+        "families": ["math", "code", "tool"],
+        "math_like": ["math"], "code_like": ["code"],
+        "steps": 1000,
+        "recipe": "demo",
     },
     # the deep teacher (docs/teacher.md): long prompts, retrieval, many schemas, long working
     "teacher_deep": {
@@ -54,6 +65,7 @@ TEACHERS = {
         "families": ["lookup", "toolpick", "steps", "fewshot", "math", "code", "tool"],
         "math_like": ["math", "steps"], "code_like": ["code"],
         "steps": 300,
+        "recipe": "fidelity",
     },
 }
 
@@ -139,12 +151,12 @@ def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, t
 
     train_dir = out / f"distill-{keep_name(DISTILL_CRITERION)}"
     if not (train_dir / "export" / "config.json").is_file():
-        if name == "teacher":  # the demo's own recipe: 2 ranks, ZeRO-2
+        if spec["recipe"] == "demo":  # the demo's own recipe: 2 ranks, ZeRO-2
             cmd = [py, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "slimwise_train",
                    "experiment=demo"]
         else:
             cmd = [py, "-m", "slimwise_train", "experiment=fidelity", *data_args]
-        run([*cmd, f"prune.keep_set={keep_sets[DISTILL_CRITERION]}", f"distill.schedule.max_steps={steps}",
+        run([*cmd, f"model={spec['model']}", f"prune.keep_set={keep_sets[DISTILL_CRITERION]}", f"distill.schedule.max_steps={steps}",
              f"output_dir={train_dir}", f"hydra.run.dir={train_dir}"], out / "distill.log", timings, f"{name} distill")
 
     families = f"eval.families=[{','.join(spec['families'])}]"

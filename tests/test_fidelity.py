@@ -72,7 +72,7 @@ def test_every_finding_reproduced_when_the_data_shows_it(tmp_path):
     _, v4 = F.finding_4(m)
     assert v4.startswith("reproduced")  # math: reverse 1.0 vs 0.3; code: SlimWise 0.9 vs reverse 0.3
     doc = F.render({"teacher": m}, N, {"teacher prune mass": 3})
-    assert doc.count("| reproduced |") == 4 and "Not measured in this run: `teacher_deep`" in doc
+    assert doc.count("| reproduced |") == 4 and "Not measured in this run: `teacher_lr_floor`, `teacher_deep`" in doc
 
 
 def test_no_effect_is_reported_as_not_reproduced(tmp_path):
@@ -95,3 +95,25 @@ def test_a_teacher_that_is_not_shipped_is_refused_before_any_work(tmp_path, monk
     with pytest.raises(SystemExit, match="--teachers teacher_deep: no shipped checkpoint"):
         F.main()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("teacher", ["teacher", "teacher_lr_floor", "teacher_deep"])
+def test_each_teacher_is_pruned_and_distilled_as_itself(tmp_path, monkeypatch, teacher):
+    # every app call of a teacher names that teacher's model (the demo recipe's own default is `teacher`)
+    F = _fidelity()
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def record(cmd, log, timings, name):
+        calls.append(cmd)
+        if name.endswith("distill"):
+            raise Stop
+
+    monkeypatch.setattr(F, "run", record)
+    monkeypatch.setattr(F, "write_long_suite", lambda path, n: None)
+    with pytest.raises(Stop):
+        F.measure_teacher(teacher, F.TEACHERS[teacher], tmp_path, 5, 5, {})
+    assert len(calls) == 4  # three criteria, then the distillation
+    assert all(cmd.count(f"model={teacher}") == 1 for cmd in calls), calls
