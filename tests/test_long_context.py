@@ -483,3 +483,29 @@ def test_deep_recipe_stages_parse(tmp_path):
         assert args.max_steps > 0 and args.lr > 0 and (args.end_at is None or args.end_at <= args.max_steps)
         layers.append(args.layers)
     assert layers[-1] >= 12 and layers == sorted(layers)
+
+
+def _bench_teacher_step():
+    spec = importlib.util.spec_from_file_location("bench_teacher_step",
+                                                  ASSETS.parents[1] / "scripts" / "bench_teacher_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_teacher_step_bench_times_each_variant_and_refuses_a_different_loss(capsys, monkeypatch, keep_threads):
+    B = _bench_teacher_step()
+    small = ["--layers", "1", "--batch", "1", "--seq-len", "32", "--steps", "1", "--threads", "1",
+             "--implementations", "grouped_mm", "eager", "--dtypes", "float32", "bfloat16"]
+    B.main(small)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| grouped_mm")
+            or line.startswith("| eager")]
+    assert [r.split(" | ")[:2] for r in rows] == [["| grouped_mm", "float32"], ["| grouped_mm", "bfloat16"],
+                                                  ["| eager", "float32"], ["| eager", "bfloat16"]]
+    assert rows[0].split(" | ")[4] == "1.00x"  # the default against itself
+    real = B.time_variant
+    monkeypatch.setattr(B, "time_variant", lambda config, ids, implementation, dtype, steps: (
+        (lambda s, loss: (s, loss * (1.01 if implementation == "eager" else 1.0)))(
+            *real(config, ids, implementation, dtype, steps))))
+    with pytest.raises(SystemExit, match="eager float32: first loss .* computes something else"):
+        B.main(small[:-3] + ["--dtypes", "float32"])
