@@ -13,7 +13,6 @@ error, not a faster result (bf16 autocast differs by rounding; the tolerance is 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -21,17 +20,12 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_teacher  # noqa: E402  (the sibling script: its deep preset and model config)
+
 IMPLEMENTATIONS = ("grouped_mm", "eager", "batched_mm")
 DTYPES = ("float32", "bfloat16")
 LOSS_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # |loss - default's loss| on the first step, relative
-
-
-def load_train_teacher():
-    spec = importlib.util.spec_from_file_location("train_teacher", REPO / "scripts" / "train_teacher.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,7 +66,6 @@ def time_variant(config, ids: torch.Tensor, implementation: str, dtype: str, ste
 def main(argv=None) -> None:
     args = parse_args(argv)
     from transformers import AutoTokenizer
-    train_teacher = load_train_teacher()
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(train_teacher.TOKENIZER)
     preset = train_teacher.parse_args(["--preset", "deep", "--layers", str(args.layers)])

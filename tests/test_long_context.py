@@ -241,11 +241,16 @@ TINY_DEEP = ["--preset", "deep", "--layers", "2", "--hidden", "32", "--experts",
              "--heldout-exclude", "20", "--threads", "1", "--grow-from", "none"]
 
 
-def _train_teacher():
-    spec = importlib.util.spec_from_file_location("train_teacher", ASSETS.parents[1] / "scripts" / "train_teacher.py")
+def _script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ASSETS.parents[1] / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _train_teacher():
+    return _script("train_teacher")
 
 
 @pytest.fixture
@@ -425,11 +430,7 @@ def test_deep_preset_grows_from_a_shallower_teacher(tmp_path, capsys, keep_threa
 
 
 def _train_deep_teacher():
-    spec = importlib.util.spec_from_file_location("train_deep_teacher",
-                                                  ASSETS.parents[1] / "scripts" / "train_deep_teacher.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _script("train_deep_teacher")
 
 
 def test_deep_recipe_runs_its_stages_resumably(tmp_path, monkeypatch, capsys, keep_threads):
@@ -485,16 +486,8 @@ def test_deep_recipe_stages_parse(tmp_path):
     assert layers[-1] >= 12 and layers == sorted(layers)
 
 
-def _bench_teacher_step():
-    spec = importlib.util.spec_from_file_location("bench_teacher_step",
-                                                  ASSETS.parents[1] / "scripts" / "bench_teacher_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_teacher_step_bench_times_each_variant_and_refuses_a_different_loss(capsys, monkeypatch, keep_threads):
-    B = _bench_teacher_step()
+    B = _script("bench_teacher_step")
     small = ["--layers", "1", "--batch", "1", "--seq-len", "32", "--steps", "1", "--threads", "1",
              "--implementations", "grouped_mm", "eager", "--dtypes", "float32", "bfloat16"]
     B.main(small)
