@@ -41,24 +41,15 @@ LONG_SUITE_SEED = 4321  # the distillation / calibration rows of the deep teache
 TIMINGS_FILE: list[Path] = []  # <out>/timings.json, set by main
 HELDOUT_EXCLUDED = 400  # the deep teacher's held-out problems per family (scripts/train_teacher.py --heldout-exclude)
 
+# the small teachers' suite (math / code / tool) and the demo's distillation recipe
+SMALL_SUITE = {"families": ["math", "code", "tool"], "math_like": ["math"], "code_like": ["code"], "steps": 1000,
+               "recipe": "demo"}
 TEACHERS = {
-    # the small shipped teacher (the embedded default): math / code / tool, the demo's distillation recipe
-    "teacher": {
-        "model": "teacher",
-        "families": ["math", "code", "tool"],
-        "math_like": ["math"], "code_like": ["code"],
-        "steps": 1000,
-        "recipe": "demo",
-    },
+    # the small shipped teacher (the embedded default)
+    "teacher": {"model": "teacher", **SMALL_SUITE},
     # the previous shipped teacher (cosine to 0.1x the peak lr): same suite and shape, more sensitive to a pruned
     # prefill, so the handoff has room to help; a second teacher, so no finding rests on one model
-    "teacher_lr_floor": {
-        "model": "teacher_lr_floor",
-        "families": ["math", "code", "tool"],
-        "math_like": ["math"], "code_like": ["code"],
-        "steps": 1000,
-        "recipe": "demo",
-    },
+    "teacher_lr_floor": {"model": "teacher_lr_floor", **SMALL_SUITE},
     # the deep teacher (docs/teacher.md): long prompts, retrieval, many schemas, long working
     "teacher_deep": {
         "model": "teacher_deep",
