@@ -147,8 +147,9 @@ def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, t
                    "experiment=demo"]
         else:
             cmd = [py, "-m", "slimwise_train", "experiment=fidelity", *data_args]
-        run([*cmd, f"model={spec['model']}", f"prune.keep_set={keep_sets[DISTILL_CRITERION]}", f"distill.schedule.max_steps={steps}",
-             f"output_dir={train_dir}", f"hydra.run.dir={train_dir}"], out / "distill.log", timings, f"{name} distill")
+        run([*cmd, f"model={spec['model']}", f"prune.keep_set={keep_sets[DISTILL_CRITERION]}",
+             f"distill.schedule.max_steps={steps}", f"output_dir={train_dir}", f"hydra.run.dir={train_dir}"],
+            out / "distill.log", timings, f"{name} distill")
 
     families = f"eval.families=[{','.join(spec['families'])}]"
     common = [f"model={spec['model']}", families, f"eval.num_per_family={eval_n}", "progress=false"]

@@ -497,8 +497,11 @@ def test_teacher_step_bench_times_each_variant_and_refuses_a_different_loss(caps
                                                   ["| eager", "float32"], ["| eager", "bfloat16"]]
     assert rows[0].split(" | ")[4] == "1.00x"  # the default against itself
     real = B.time_variant
-    monkeypatch.setattr(B, "time_variant", lambda config, ids, implementation, dtype, steps: (
-        (lambda s, loss: (s, loss * (1.01 if implementation == "eager" else 1.0)))(
-            *real(config, ids, implementation, dtype, steps))))
+
+    def eager_loss_one_percent_off(config, ids, implementation, dtype, steps):
+        seconds, loss = real(config, ids, implementation, dtype, steps)
+        return seconds, loss * (1.01 if implementation == "eager" else 1.0)
+
+    monkeypatch.setattr(B, "time_variant", eager_loss_one_percent_off)
     with pytest.raises(SystemExit, match="eager float32: first loss .* computes something else"):
         B.main(small[:-3] + ["--dtypes", "float32"])

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-import torch
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slimwise_train.moe.adapters import get_adapter
