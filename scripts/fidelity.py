@@ -2,6 +2,7 @@
 
     python scripts/fidelity.py                       # every teacher (all must be shipped); docs/fidelity.md
     python scripts/fidelity.py --teachers teacher teacher_lr_floor   # the two small teachers, 9 min on 2 cores
+    python scripts/fidelity.py --candidate DIR       # the deep suite on an unshipped checkpoint: its own report
     FIDELITY_EVAL_N=20 FIDELITY_STEPS=20 python scripts/fidelity.py --teachers teacher --out /tmp/fid --doc /tmp/f.md
 
 The findings (the method's paper), each measured per teacher with the project's own apps (prune, distill, eval):
@@ -120,6 +121,11 @@ def keep_name(criterion: str) -> str:
     return f"{criterion}-r{RATIO}"
 
 
+def model_args(spec: dict) -> list[str]:
+    """The model overrides of every app call: the teacher's preset, and a candidate's checkpoint when one is given."""
+    return [f"model={spec['model']}", *([f"model.path={spec['candidate']}"] if spec.get("candidate") else [])]
+
+
 def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, timings: dict) -> dict:
     """Prune (3 criteria), distill (REAP), evaluate; returns the figures of the four findings for this teacher."""
     py = sys.executable
@@ -135,7 +141,7 @@ def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, t
         prune_dir = out / keep_name(criterion)  # the eval app names a keep set by its folder
         if not (prune_dir / "keep_set.json").is_file():
             extra = ["data.num_samples=128"] if data_args else []
-            run([py, "-m", "slimwise_train.prune", f"model={spec['model']}", f"prune.criterion={criterion}",
+            run([py, "-m", "slimwise_train.prune", *model_args(spec), f"prune.criterion={criterion}",
                  f"prune.ratio={RATIO}", *data_args, *extra, "progress=false", f"hydra.run.dir={prune_dir}"],
                 out / f"prune-{criterion}.log", timings, f"{name} prune {criterion}")
         keep_sets[criterion] = prune_dir / "keep_set.json"
@@ -147,12 +153,12 @@ def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, t
                    "experiment=demo"]
         else:
             cmd = [py, "-m", "slimwise_train", "experiment=fidelity", *data_args]
-        run([*cmd, f"model={spec['model']}", f"prune.keep_set={keep_sets[DISTILL_CRITERION]}",
+        run([*cmd, *model_args(spec), f"prune.keep_set={keep_sets[DISTILL_CRITERION]}",
              f"distill.schedule.max_steps={steps}", f"output_dir={train_dir}", f"hydra.run.dir={train_dir}"],
             out / "distill.log", timings, f"{name} distill")
 
     families = f"eval.families=[{','.join(spec['families'])}]"
-    common = [f"model={spec['model']}", families, f"eval.num_per_family={eval_n}", "progress=false"]
+    common = [*model_args(spec), families, f"eval.num_per_family={eval_n}", "progress=false"]
     eval_main, eval_more = out / "eval-reap", out / "eval-mass-ean"
     if not (eval_main / "results.json").is_file():
         run([py, "-m", "slimwise_train.eval", *common, f"eval.keep_sets=[{keep_sets[DISTILL_CRITERION]}]",
@@ -321,14 +327,21 @@ FINDINGS = (
 
 def render(measured: dict, eval_n: int, timings: dict) -> str:
     date = time.strftime("%Y-%m-%d")
-    command = "python scripts/fidelity.py" + ("" if len(measured) == len(TEACHERS) else
+    candidate = next((m["spec"]["candidate"] for m in measured.values() if m["spec"].get("candidate")), None)
+    command = "python scripts/fidelity.py" + (f" --candidate {candidate}" if candidate else
+                                              "" if len(measured) == len(TEACHERS) else
                                               " --teachers " + " ".join(measured))
     lines = [f"# Does the method's evidence reproduce? ({date})", "",
              f"Written by `{command}` in one run ({sum(timings.values()) / 60:.0f} min of app calls on this "
              f"machine's {os.cpu_count()} CPU cores). {eval_n} held-out problems per family (the heldout stream, "
              "seed 0, which neither teacher nor student trained on), greedy, the budget 2 x the longest reference "
              "answer per family. `a +- b`: mean paired difference +- its standard error; a difference counts when "
-             "it exceeds 2 SE.", "", "## Verdicts", "",
+             "it exceeds 2 SE.", "",
+             *([f"**A candidate, not a shipped teacher.** The deep teacher's suite and recipe measured on the "
+                f"checkpoint `{candidate}` (a `model.path` override), which is not shipped: its full-model accuracy "
+                "(Teachers, below) is under the 0.9-per-family bar of docs/teacher.md. The verdicts describe that "
+                "checkpoint; docs/fidelity.md holds the shipped teachers'.", ""] if candidate else []),
+             "## Verdicts", "",
              "| finding | " + " | ".join(f"`{t}`" for t in measured) + " |", "|---|" + "---|" * len(measured)]
     sections, verdicts = [], {}
     for title, what, fn in FINDINGS:
@@ -345,7 +358,7 @@ def render(measured: dict, eval_n: int, timings: dict) -> str:
     lines += ["", *sections, "## Teachers", ""]
     for teacher, m in measured.items():
         full = m["main"]
-        lines.append(f"- `{teacher}` (`model={m['spec']['model']}`): families {', '.join(m['spec']['families'])}; "
+        lines.append(f"- `{teacher}` (`{' '.join(model_args(m['spec']))}`): families {', '.join(m['spec']['families'])}; "
                      f"full-model accuracy pooled {full.accuracy(None, 'full'):.3f}; distilled {m['steps']} steps.")
     for teacher in missing:
         shipped = (REPO / "slimwise_train" / "assets" / teacher / "config.json").is_file()
@@ -358,13 +371,33 @@ def render(measured: dict, eval_n: int, timings: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "outputs" / "fidelity"))
-    parser.add_argument("--doc", default=str(REPO / "docs" / "fidelity.md"))
-    parser.add_argument("--teachers", nargs="+", choices=list(TEACHERS), default=list(TEACHERS))
+    parser.add_argument("--out", help="app outputs (default outputs/fidelity, outputs/fidelity-candidate)")
+    parser.add_argument("--doc", help="the report (default docs/fidelity.md, docs/fidelity-deep-candidate.md)")
+    parser.add_argument("--teachers", nargs="+", choices=list(TEACHERS))
+    parser.add_argument("--candidate", metavar="DIR",
+                        help="measure the deep teacher's suite on a checkpoint that is not shipped (e.g. a stage of "
+                             "scripts/train_deep_teacher.py); writes its own report, never docs/fidelity.md")
     args = parser.parse_args()
+    shipped_doc = REPO / "docs" / "fidelity.md"
+    candidate = None
+    if args.candidate:
+        candidate = Path(args.candidate).expanduser().resolve()
+        if not (candidate / "config.json").is_file():
+            raise SystemExit(f"fidelity: --candidate {args.candidate}: no config.json there; give a checkpoint "
+                             "folder such as <out>/final of scripts/train_teacher.py")
+        if args.teachers not in (None, ["teacher_deep"]):
+            raise SystemExit("fidelity: --candidate measures the deep teacher's suite only; drop --teachers or "
+                             "give --teachers teacher_deep")
+        if args.doc and Path(args.doc).resolve() == shipped_doc.resolve():
+            raise SystemExit("fidelity: --doc docs/fidelity.md reports the shipped teachers only; leave --doc out "
+                             "with --candidate (docs/fidelity-deep-candidate.md) or name another file")
+        args.teachers = ["teacher_deep"]
+    args.teachers = args.teachers or list(TEACHERS)
+    args.out = args.out or str(REPO / "outputs" / ("fidelity-candidate" if candidate else "fidelity"))
+    args.doc = args.doc or str(REPO / "docs" / "fidelity-deep-candidate.md" if candidate else shipped_doc)
     eval_n = int(os.environ.get("FIDELITY_EVAL_N", 100))
     steps_override = os.environ.get("FIDELITY_STEPS")
-    for teacher in args.teachers:
+    for teacher in [] if candidate else args.teachers:
         path = REPO / "slimwise_train" / "assets" / teacher
         if not (path / "config.json").is_file():
             raise SystemExit(f"fidelity: --teachers {teacher}: no shipped checkpoint at {path}; train it with "
@@ -374,7 +407,7 @@ def main() -> None:
     timings = json.loads(TIMINGS_FILE[0].read_text()) if TIMINGS_FILE[0].is_file() else {}
     measured = {}
     for teacher in args.teachers:
-        spec = TEACHERS[teacher]
+        spec = {**TEACHERS[teacher], "candidate": str(candidate)} if candidate else TEACHERS[teacher]
         steps = int(steps_override) if steps_override else spec["steps"]
         print(f"== {teacher}", flush=True)
         measured[teacher] = measure_teacher(teacher, spec, Path(args.out) / teacher, eval_n, steps, timings)

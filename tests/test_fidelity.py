@@ -97,9 +97,11 @@ def test_a_teacher_that_is_not_shipped_is_refused_before_any_work(tmp_path, monk
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("teacher", ["teacher", "teacher_lr_floor", "teacher_deep"])
-def test_each_teacher_is_pruned_and_distilled_as_itself(tmp_path, monkeypatch, teacher):
-    # every app call of a teacher names that teacher's model (the demo recipe's own default is `teacher`)
+@pytest.mark.parametrize("teacher, candidate", [("teacher", None), ("teacher_lr_floor", None),
+                                                ("teacher_deep", None), ("teacher_deep", "/ckpt/final")])
+def test_each_teacher_is_pruned_and_distilled_as_itself(tmp_path, monkeypatch, teacher, candidate):
+    # every app call of a teacher names that teacher's model (the demo recipe's own default is `teacher`), and a
+    # candidate's checkpoint when one is measured
     F = _fidelity()
     calls = []
 
@@ -114,6 +116,56 @@ def test_each_teacher_is_pruned_and_distilled_as_itself(tmp_path, monkeypatch, t
     monkeypatch.setattr(F, "run", record)
     monkeypatch.setattr(F, "write_long_suite", lambda path, n: None)
     with pytest.raises(Stop):
-        F.measure_teacher(teacher, F.TEACHERS[teacher], tmp_path, 5, 5, {})
+        F.measure_teacher(teacher, {**F.TEACHERS[teacher], "candidate": candidate}, tmp_path, 5, 5, {})
     assert len(calls) == 4  # three criteria, then the distillation
     assert all(cmd.count(f"model={teacher}") == 1 for cmd in calls), calls
+    assert all(sum(a.startswith("model.path=") for a in cmd) == (candidate is not None) for cmd in calls), calls
+    assert all(f"model.path={candidate}" in cmd for cmd in calls) or candidate is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--candidate", "{missing}"], "--candidate .*: no config.json there"),
+    (["--candidate", "{ckpt}", "--teachers", "teacher"], "--candidate measures the deep teacher's suite only"),
+    (["--candidate", "{ckpt}", "--doc", "{repo}/docs/fidelity.md"], "--doc docs/fidelity.md reports the shipped"),
+])
+def test_a_candidate_the_script_cannot_honour_is_refused_before_any_work(tmp_path, monkeypatch, argv, message):
+    F = _fidelity()
+    ckpt = tmp_path / "final"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    names = {"missing": tmp_path / "nowhere", "ckpt": ckpt, "repo": F.REPO}
+    monkeypatch.setattr("sys.argv", ["fidelity.py", "--out", str(tmp_path / "out"),
+                                     *[a.format(**names) for a in argv]])
+    with pytest.raises(SystemExit, match=message):
+        F.main()
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_candidate_is_measured_on_its_checkpoint_and_reported_apart(tmp_path, monkeypatch):
+    # every app call loads the candidate's weights under the deep teacher's preset; the report says it is not shipped
+    F = _fidelity()
+    ckpt = tmp_path / "final"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    calls, measured = [], {}
+
+    def measure(name, spec, out, eval_n, steps, timings):
+        calls.extend(F.model_args(spec))
+        measured[name] = spec
+        return {"main": F.Results(_results(tmp_path / "a", main)), "more": F.Results(_results(tmp_path / "b", more)),
+                "spec": {**spec, "families": FAMILIES, "math_like": ["math"], "code_like": ["code"]}, "steps": steps}
+
+    same = {f: 0.5 for f in FAMILIES}
+    main = {(None, "full"): same, **{("reap-r0.5", mode): same
+                                     for mode in ("conventional", "slimwise", "reverse", "slimwise_distill")}}
+    more = {(None, "full"): same,
+            **{(f"{c}-r0.5", mode): same for c in ("mass", "ean") for mode in ("conventional", "slimwise")}}
+    monkeypatch.setattr(F, "measure_teacher", measure)
+    monkeypatch.setattr(F, "REPO", tmp_path)
+    monkeypatch.setattr("sys.argv", ["fidelity.py", "--candidate", str(ckpt)])
+    F.main()
+    assert list(measured) == ["teacher_deep"] and calls == ["model=teacher_deep", f"model.path={ckpt}"]
+    doc = (tmp_path / "docs" / "fidelity-deep-candidate.md").read_text()
+    assert f"Written by `python scripts/fidelity.py --candidate {ckpt}`" in doc
+    assert "**A candidate, not a shipped teacher.**" in doc and f"(`model=teacher_deep model.path={ckpt}`)" in doc
+    assert not (tmp_path / "docs" / "fidelity.md").exists()
