@@ -173,11 +173,13 @@ def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_pa
         assert (run_dir / "eval.log").is_file()
         time.sleep(2)  # inside model loading or generation
         proc.send_signal(signal.SIGINT)
-        proc.communicate(timeout=120)
+        output = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
     assert proc.returncode != 0
-    assert tree(tmp_path) == []
+    # Once in many CI runs (2026-12-05, an Intel Xeon) the folder and its log stayed: the exit status and the app's
+    # last output tell a KeyboardInterrupt the cleanup missed from a process killed by the signal itself (-2).
+    assert tree(tmp_path) == [], f"exit status {proc.returncode}; the app's last output:\n{output[-3000:]}"
 
 
 def test_a_key_error_is_a_bug_and_bad_input_is_a_value_error(tmp_path, capsys):
