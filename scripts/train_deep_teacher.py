@@ -2,17 +2,21 @@
 
     python scripts/train_deep_teacher.py                  # every stage; after a pause, the same command continues
     python scripts/train_deep_teacher.py --minutes 30     # pause (checkpoint) after 30 minutes of this run
+    python scripts/train_deep_teacher.py --after toolpick=recipes/teacher_deep/toolpick   # go on from a kept stage
 
 Each stage is one `scripts/train_teacher.py --preset deep` run in `<out>/<stage>/`, started from the previous
 stage's final model (`--grow-from`); a finished stage (`<out>/<stage>/final/`) is skipped, a paused one resumed
 from its checkpoint, so rerunning the command is always safe. The last stage's model is copied to `<out>/final/`
-(copy that folder into slimwise_train/assets/teacher_deep to ship it). Why these stages (docs/teacher.md):
+(copy that folder into slimwise_train/assets/teacher_deep to ship it). The recipe takes longer than one session's
+machine lives (models in outputs/ go with it): a finished stage's model is kept in recipes/teacher_deep/<stage>/ and
+the next machine goes on from it with `--after`. Why these stages (docs/teacher.md):
 
 1. ``recall`` (4 layers, from the shipped teacher): lookups alone, dense questions on small tables. Recall of the
    cell after a key forms as a phase change after ~6-8M tokens of such questions, and not within 27M tokens when
    the mixture's other families share the steps.
-2. ``mixture`` (4 layers): the whole long-context mixture (lookups weighted 2), where 4 layers train ~3x faster
-   per token than 12; the other families come back from the shipped teacher's skills.
+2. ``warmforms`` (4 layers): the whole long-context mixture (lookups weighted 2.5), where 4 layers train ~3x faster
+   per token than 12, its first 20 chunks in easy forms of toolpick and steps; the other families come back from
+   the shipped teacher's skills.
 3. ``focus`` (4 layers): the mixture again from that model, the families still short of 0.9 weighted up.
 4. ``toolpick`` (4 layers): toolpick weighted 5 of 10.2. Choosing the listed spelling of a tool forms late; its CE
    per token hides it (one decisive token per ~43-token call), the held-out checks show it.
@@ -50,20 +54,24 @@ STAGES: tuple[Stage, ...] = (
         "--warm-params", "lookup.min_columns=0,lookup.max_columns=0,lookup.min_rows=8,lookup.max_rows=20,"
                          "lookup.min_steps=12,lookup.max_steps=24,lookup.name_key_share=1",
         "--warm-chunks", "1000", "--final-eval", "20")),
-    Stage("mixture", (
-        "--layers", "4", "--grow-from", "{previous}", "--lr", "1e-3", "--warmup", "100", "--max-steps", "7000",
-        "--mix", "lookup=2")),
+    Stage("warmforms", (
+        # the whole mixture, its first 20 chunks (of ~52) in easy forms of toolpick and steps (fewer schemas, shorter
+        # chains): in the eleventh session toolpick, steps and fewshot rose earlier than in the same run without them
+        "--layers", "4", "--grow-from", "{previous}", "--lr", "1e-3", "--warmup", "100", "--max-steps", "8000",
+        "--seed", "2026", "--mix", "toolpick=3,lookup=2.5,steps=1.5,code=1.5,fewshot=1.2,math=0.4,tool=0.3",
+        "--warm-params", "toolpick.min_offered=4,toolpick.max_offered=10,toolpick.min_steps=3,toolpick.max_steps=8,"
+                         "steps.min_steps=4,steps.max_steps=12",
+        "--warm-chunks", "20", "--final-eval", "40")),
     Stage("focus", (
-        # the skills still short after the mixture (toolpick's listed spelling, steps' next operation) weighted up,
-        # the ones already formed (math, tool) down
-        "--layers", "4", "--grow-from", "{previous}", "--lr", "7e-4", "--warmup", "100", "--max-steps", "7000",
-        "--mix", "lookup=2,toolpick=2,steps=1.6,math=0.6,tool=0.3")),
+        # the skills still short after it (toolpick's listed spelling, steps' long chains, code) weighted up
+        "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3000",
+        "--mix", "toolpick=5,steps=2,code=2,fewshot=1,lookup=1,math=0.6,tool=0.4", "--final-eval", "40")),
     Stage("toolpick", (
         "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3000",
-        "--mix", "toolpick=5,lookup=1.5,steps=1,code=1.2,fewshot=0.7,math=0.4,tool=0.4")),
+        "--mix", "toolpick=5,lookup=1.5,steps=1,code=1.2,fewshot=0.7,math=0.4,tool=0.4", "--final-eval", "40")),
     Stage("focus2", (
         "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3400",
-        "--mix", "toolpick=3,lookup=2.5,steps=1.5,code=1.5,fewshot=1.2,math=0.4,tool=0.3")),
+        "--mix", "toolpick=3,lookup=2.5,steps=1.5,code=1.5,fewshot=1.2,math=0.4,tool=0.3", "--final-eval", "40")),
     Stage("depth", (
         "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000",
         "--mix", "toolpick=2.5,lookup=2,steps=1.2,code=1.2,fewshot=0.8,math=0.5,tool=0.4")),
@@ -85,7 +93,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps-this-run", type=int, default=0,
                         help="pause the stage in progress after this many steps (0: no limit)")
+    parser.add_argument("--after", default=None, metavar="STAGE=PATH",
+                        help="take STAGE and the ones before it as done, with PATH as STAGE's final model (one kept "
+                             "from an earlier machine, e.g. recipes/teacher_deep/toolpick); the later stages start "
+                             "from it")
     args = parser.parse_args(argv)
+    if args.after is not None:
+        name, _, path = args.after.partition("=")
+        if name not in [s.name for s in STAGES] or not path:
+            parser.error(f"--after must be STAGE=PATH with STAGE one of {[s.name for s in STAGES]}, got {args.after!r}")
+        if not (Path(path) / "model.safetensors").is_file():
+            parser.error(f"--after {args.after}: {path} holds no model.safetensors (a stage's final model folder)")
+        args.after = (name, Path(path))
     if args.minutes is not None and not args.minutes > 0:
         parser.error(f"--minutes must be > 0, got {args.minutes}")
     return args
@@ -98,6 +117,13 @@ def stage_argv(stage: Stage, folder: Path, previous: Path | None) -> list[str]:
     return ["--preset", "deep", "--out", str(folder), *flags]
 
 
+def stage_row(name: str, final: Path) -> dict:
+    log = json.loads((final / "training_log.json").read_text())
+    return {"stage": name, "train_steps": log["steps"], "tokens": log["tokens"],  # "steps" is a family
+            "train_minutes": round(log["train_seconds"] / 60, 1),
+            **{f: r["accuracy"] for f, r in log["final_eval"].items()}}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     train_teacher = load_train_teacher()
@@ -105,7 +131,17 @@ def main(argv=None) -> int:
     start = time.time()
     previous: Path | None = None
     summary = []
+    skip = 0
+    if args.after is not None:
+        skip = 1 + [s.name for s in STAGES].index(args.after[0])
+        previous = args.after[1]
+        print(f"stages 1-{skip} ({', '.join(s.name for s in STAGES[:skip])}): taken as done, from {previous}",
+              flush=True)
+        if (previous / "training_log.json").is_file():  # the kept stage's own figures head the summary
+            summary.append(stage_row(args.after[0], previous))
     for number, stage in enumerate(STAGES, 1):
+        if number <= skip:
+            continue
         folder = out / stage.name
         final = folder / "final"
         if (final / "model.safetensors").is_file():
@@ -129,10 +165,7 @@ def main(argv=None) -> int:
             if not (final / "model.safetensors").is_file():
                 print(f"paused in stage {stage.name}; rerun the same command to continue", flush=True)
                 return 0
-        log = json.loads((final / "training_log.json").read_text())
-        summary.append({"stage": stage.name, "steps": log["steps"], "tokens": log["tokens"],
-                        "train_minutes": round(log["train_seconds"] / 60, 1),
-                        **{f: r["accuracy"] for f, r in log["final_eval"].items()}})
+        summary.append(stage_row(stage.name, final))
         previous = final
     from slimwise_train.utils.atomic import atomic_dir
 
