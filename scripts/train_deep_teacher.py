@@ -100,8 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.after is not None:
         name, _, path = args.after.partition("=")
-        if name not in [s.name for s in STAGES] or not path:
-            parser.error(f"--after must be STAGE=PATH with STAGE one of {[s.name for s in STAGES]}, got {args.after!r}")
+        names = [s.name for s in STAGES]
+        if name not in names or not path:
+            parser.error(f"--after must be STAGE=PATH with STAGE one of {names}, got {args.after!r}")
         if not (Path(path) / "model.safetensors").is_file():
             parser.error(f"--after {args.after}: {path} holds no model.safetensors (a stage's final model folder)")
         args.after = (name, Path(path))

@@ -433,17 +433,22 @@ def _train_deep_teacher():
     return _script("train_deep_teacher")
 
 
-def test_deep_recipe_runs_its_stages_resumably(tmp_path, monkeypatch, capsys, keep_threads):
-    """scripts/train_deep_teacher.py: each stage a train_teacher run grown from the previous stage's final model;
-    a pause stops the recipe, the same command resumes it and skips finished stages; the last stage's model is
-    copied to <out>/final with the recipe; --end-at finishes a stage before its planned cosine ends."""
+def _tiny_recipe(monkeypatch):
+    """(the recipe script, train_teacher, flags every tiny stage shares): stages of a tiny model, a quick eval."""
     R = _train_deep_teacher()
     T = _train_teacher()
     monkeypatch.setattr(R, "load_train_teacher", lambda: T)
     monkeypatch.setattr(T, "family_budgets", lambda problems: {p.family: 3 for p in problems})  # a quick eval
     tiny = [f for f in TINY_DEEP if f not in ("--preset", "deep", "--threads", "1")]
     tiny = tiny[:tiny.index("--grow-from")]
-    common = (*tiny, "--warmup", "1", "--final-eval", "1")
+    return R, T, (*tiny, "--warmup", "1", "--final-eval", "1")
+
+
+def test_deep_recipe_runs_its_stages_resumably(tmp_path, monkeypatch, capsys, keep_threads):
+    """scripts/train_deep_teacher.py: each stage a train_teacher run grown from the previous stage's final model;
+    a pause stops the recipe, the same command resumes it and skips finished stages; the last stage's model is
+    copied to <out>/final with the recipe; --end-at finishes a stage before its planned cosine ends."""
+    R, T, common = _tiny_recipe(monkeypatch)
     monkeypatch.setattr(R, "STAGES", (
         R.Stage("first", (*common, "--grow-from", "none", "--max-steps", "6", "--end-at", "3")),
         R.Stage("second", (*[f if f != "2" or i != 1 else "3" for i, f in enumerate(common)],
@@ -474,13 +479,7 @@ def test_deep_recipe_goes_on_after_a_kept_stage(tmp_path, monkeypatch, capsys, k
     """--after STAGE=PATH: the stages up to STAGE are taken as done and the next one grows from PATH (a stage's model
     kept from an earlier machine); a wrong stage name or a folder without a model is refused before anything is
     written."""
-    R = _train_deep_teacher()
-    T = _train_teacher()
-    monkeypatch.setattr(R, "load_train_teacher", lambda: T)
-    monkeypatch.setattr(T, "family_budgets", lambda problems: {p.family: 3 for p in problems})
-    tiny = [f for f in TINY_DEEP if f not in ("--preset", "deep", "--threads", "1")]
-    tiny = tiny[:tiny.index("--grow-from")]
-    common = (*tiny, "--warmup", "1", "--final-eval", "1")
+    R, T, common = _tiny_recipe(monkeypatch)
     monkeypatch.setattr(R, "STAGES", (
         R.Stage("first", (*common, "--grow-from", "none", "--max-steps", "2")),
         R.Stage("second", (*common, "--grow-from", "{previous}", "--max-steps", "2"))))
