@@ -20,7 +20,9 @@ the next machine goes on from it with `--after`. Why these stages (docs/teacher.
 3. ``focus`` (4 layers): the mixture again from that model, the families still short of 0.9 weighted up.
 4. ``toolpick`` (4 layers): toolpick weighted 5 of 10.2. Choosing the listed spelling of a tool forms late; its CE
    per token hides it (one decisive token per ~43-token call), the held-out checks show it.
-5. ``focus2`` (4 layers): the mixture weighted to the families still short (toolpick, steps, fewshot rose to 0.875).
+5. ``stepscode`` (4 layers): longer, at lr 7e-4, steps and code weighted up. steps' errors are mostly copying the
+   wrong operand of a long chain, code's are dedupe and sort; the only stage that took steps to 0.85 was a
+   7000-step one at 7e-4, and code (0.91 in the shipped teacher) is forgotten under the long families.
 6. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
    what the 4-layer one does), then trained on the mixture at a lower lr so the new layers take part.
 """
@@ -69,9 +71,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("toolpick", (
         "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3000",
         "--mix", "toolpick=5,lookup=1.5,steps=1,code=1.2,fewshot=0.7,math=0.4,tool=0.4", "--final-eval", "40")),
-    Stage("focus2", (
-        "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3400",
-        "--mix", "toolpick=3,lookup=2.5,steps=1.5,code=1.5,fewshot=1.2,math=0.4,tool=0.3", "--final-eval", "40")),
+    Stage("stepscode", (
+        # code weighted by answer tokens (its examples are ~87 tokens against lookup's ~417), steps the most
+        "--layers", "4", "--grow-from", "{previous}", "--lr", "7e-4", "--warmup", "100", "--max-steps", "6500",
+        "--mix", "toolpick=2.5,lookup=2,steps=2.5,code=5,fewshot=1.2,math=0.6,tool=0.5", "--final-eval", "40")),
     Stage("depth", (
         "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000",
         "--mix", "toolpick=2.5,lookup=2,steps=1.2,code=1.2,fewshot=0.8,math=0.5,tool=0.4")),
