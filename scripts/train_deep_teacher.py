@@ -2,7 +2,7 @@
 
     python scripts/train_deep_teacher.py                  # every stage; after a pause, the same command continues
     python scripts/train_deep_teacher.py --minutes 30     # pause (checkpoint) after 30 minutes of this run
-    python scripts/train_deep_teacher.py --after toolpick=recipes/teacher_deep/toolpick   # go on from a kept stage
+    python scripts/train_deep_teacher.py --after stepscode=recipes/teacher_deep/stepscode   # go on from a kept stage
 
 Each stage is one `scripts/train_teacher.py --preset deep` run in `<out>/<stage>/`, started from the previous
 stage's final model (`--grow-from`); a finished stage (`<out>/<stage>/final/`) is skipped, a paused one resumed
@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pause the stage in progress after this many steps (0: no limit)")
     parser.add_argument("--after", default=None, metavar="STAGE=PATH",
                         help="take STAGE and the ones before it as done, with PATH as STAGE's final model (one kept "
-                             "from an earlier machine, e.g. recipes/teacher_deep/toolpick); the later stages start "
+                             "from an earlier machine, e.g. recipes/teacher_deep/stepscode); the later stages start "
                              "from it")
     args = parser.parse_args(argv)
     if args.after is not None:
