@@ -2,7 +2,7 @@
 
     python scripts/train_deep_teacher.py                  # every stage; after a pause, the same command continues
     python scripts/train_deep_teacher.py --minutes 30     # pause (checkpoint) after 30 minutes of this run
-    python scripts/train_deep_teacher.py --after stepscode=recipes/teacher_deep/stepscode   # go on from a kept stage
+    python scripts/train_deep_teacher.py --after stepscode=DIR   # go on from a stage kept from an earlier machine
 
 Each stage is one `scripts/train_teacher.py --preset deep` run in `<out>/<stage>/`, started from the previous
 stage's final model (`--grow-from`); a finished stage (`<out>/<stage>/final/`) is skipped, a paused one resumed
@@ -24,7 +24,8 @@ the next machine goes on from it with `--after`. Why these stages (docs/teacher.
    wrong operand of a long chain, code's are dedupe and sort; the only stage that took steps to 0.85 was a
    7000-step one at 7e-4, and code (0.91 in the shipped teacher) is forgotten under the long families.
 6. ``depth`` (12 layers): each layer repeated three times, the repeats silent at the start (the grown model computes
-   what the 4-layer one does), then trained on the mixture at a lower lr so the new layers take part.
+   what the 4-layer one does), then trained on stepscode's mixture at a lower lr so the new layers take part.
+7. ``depthcode`` (12 layers): a short stage at lr 1e-4 with code weighted up, the one family depth left short.
 """
 
 from __future__ import annotations
@@ -76,8 +77,15 @@ STAGES: tuple[Stage, ...] = (
         "--layers", "4", "--grow-from", "{previous}", "--lr", "7e-4", "--warmup", "100", "--max-steps", "6500",
         "--mix", "toolpick=2.5,lookup=2,steps=2.5,code=5,fewshot=1.2,math=0.6,tool=0.5", "--final-eval", "40")),
     Stage("depth", (
-        "--layers", "12", "--grow-from", "{previous}", "--lr", "3e-4", "--warmup", "50", "--max-steps", "1000",
-        "--mix", "toolpick=2.5,lookup=2,steps=1.2,code=1.2,fewshot=0.8,math=0.5,tool=0.4")),
+        # stepscode's mix at half depth's former lr: at 3e-4 on the older mix steps lost 0.07 +- 0.029 and code
+        # 0.06 +- 0.028 (paired, 100 per family), slips of the kind the low-lr tail of stepscode had removed
+        "--layers", "12", "--grow-from", "{previous}", "--lr", "1.5e-4", "--warmup", "50", "--max-steps", "1000",
+        "--mix", "toolpick=2.5,lookup=2,steps=2.5,code=5,fewshot=1.2,math=0.6,tool=0.5")),
+    Stage("depthcode", (
+        # the grown model's code (0.87; the 4-layer one's 0.89) is the one family short of 0.9: code weighted up,
+        # a short stage at a low lr so the others stay where depth left them
+        "--layers", "12", "--grow-from", "{previous}", "--lr", "1e-4", "--warmup", "30", "--max-steps", "600",
+        "--mix", "toolpick=2.5,lookup=2,steps=2.5,code=8,fewshot=1.2,math=0.6,tool=0.5")),
 )
 
 
@@ -98,7 +106,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pause the stage in progress after this many steps (0: no limit)")
     parser.add_argument("--after", default=None, metavar="STAGE=PATH",
                         help="take STAGE and the ones before it as done, with PATH as STAGE's final model (one kept "
-                             "from an earlier machine, e.g. recipes/teacher_deep/stepscode); the later stages start "
+                             "from an earlier machine, e.g. recipes/teacher_deep/<stage>); the later stages start "
                              "from it")
     args = parser.parse_args(argv)
     if args.after is not None:
