@@ -42,6 +42,8 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = str(REPO / "slimwise_train" / "assets" / "teacher")
 ONLY_LOOKUP = "lookup=1,toolpick=0,steps=0,fewshot=0,math=0,code=0,tool=0"
+# code weighted by answer tokens (its examples are ~87 tokens against lookup's ~417), steps the most
+STEPSCODE_MIX = "toolpick=2.5,lookup=2,steps=2.5,code=5,fewshot=1.2,math=0.6,tool=0.5"
 
 
 class Stage(NamedTuple):
@@ -73,14 +75,13 @@ STAGES: tuple[Stage, ...] = (
         "--layers", "4", "--grow-from", "{previous}", "--lr", "5e-4", "--warmup", "100", "--max-steps", "3000",
         "--mix", "toolpick=5,lookup=1.5,steps=1,code=1.2,fewshot=0.7,math=0.4,tool=0.4", "--final-eval", "40")),
     Stage("stepscode", (
-        # code weighted by answer tokens (its examples are ~87 tokens against lookup's ~417), steps the most
         "--layers", "4", "--grow-from", "{previous}", "--lr", "7e-4", "--warmup", "100", "--max-steps", "6500",
-        "--mix", "toolpick=2.5,lookup=2,steps=2.5,code=5,fewshot=1.2,math=0.6,tool=0.5", "--final-eval", "40")),
+        "--mix", STEPSCODE_MIX, "--final-eval", "40")),
     Stage("depth", (
         # stepscode's mix at half depth's former lr: at 3e-4 on the older mix steps lost 0.07 +- 0.029 and code
         # 0.06 +- 0.028 (paired, 100 per family), slips of the kind the low-lr tail of stepscode had removed
         "--layers", "12", "--grow-from", "{previous}", "--lr", "1.5e-4", "--warmup", "50", "--max-steps", "1000",
-        "--mix", "toolpick=2.5,lookup=2,steps=2.5,code=5,fewshot=1.2,math=0.6,tool=0.5")),
+        "--mix", STEPSCODE_MIX)),
     Stage("depthcode", (
         # the grown model's code (0.87; the 4-layer one's 0.89) is the one family short of 0.9: code weighted up,
         # a short stage at a low lr so the others stay where depth left them

@@ -615,7 +615,7 @@ def test_the_shipped_deep_teacher_loads_by_name_and_answers_its_held_out_problem
 
     config = json.loads((ASSETS / "teacher_deep" / "config.json").read_text())
     assert config["num_hidden_layers"] >= 12 and config["max_position_embeddings"] >= 1024
-    families = ["lookup", "toolpick", "steps", "fewshot", "math", "code", "tool"]
+    families = [*synthetic.LONG_FAMILIES, *synthetic.FAMILIES]  # the deep teacher's suite
     results = run_eval(_compose(tmp_path / "out", "model=teacher_deep", f"eval.families=[{','.join(families)}]",
                                 "eval.num_per_family=3", "eval.modes=[full]"))
     accuracy = {row["family"]: row["accuracy"] for row in results["rows"]}
