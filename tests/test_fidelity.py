@@ -88,6 +88,29 @@ def test_no_effect_is_reported_as_not_reproduced(tmp_path):
     assert all(v.startswith("not reproduced") for v in verdicts), verdicts
 
 
+def test_a_handoff_gain_at_25_percent_is_reported_beside_the_50_percent_verdict(tmp_path):
+    # at 50% both modes sit at the floor (no effect to show); at 25% SlimWise beats conventional under REAP only:
+    # the verdict stays the 50% claim's and names the 25% gain, and the table holds all six rows
+    F = _fidelity()
+    full, floor = {f: 1.0 for f in FAMILIES}, {f: 0.0 for f in FAMILIES}
+    main = {(None, "full"): full, **{("reap-r0.5", mode): floor for mode in
+                                      ("conventional", "slimwise", "reverse", "slimwise_distill")}}
+    more = {(None, "full"): full,
+            **{(f"{c}-r0.5", mode): floor for c in ("mass", "ean") for mode in ("conventional", "slimwise")}}
+    light = {(None, "full"): full, ("reap-r0.25", "conventional"): {f: 0.2 for f in FAMILIES},
+             ("reap-r0.25", "slimwise"): {f: 0.8 for f in FAMILIES},
+             **{(f"{c}-r0.25", mode): {f: 0.5 for f in FAMILIES} for c in ("mass", "ean")
+                for mode in ("conventional", "slimwise")}}
+    m = {"main": F.Results(_results(tmp_path / "a", main)), "more": F.Results(_results(tmp_path / "b", more)),
+         "light": F.Results(_results(tmp_path / "c", light)), "spec": F.TEACHERS["teacher"], "steps": 5}
+    rows, verdict = F.finding_1(m)
+    assert verdict.startswith("not reproduced") and verdict.endswith(
+        "at 25% SlimWise beats conventional by more than 2 SE pooled under reap"), verdict
+    assert [r.split(" |")[0] for r in rows[2:8]] == ["| mass 50%", "| ean 50%", "| reap 50%", "| mass 25%",
+                                                     "| ean 25%", "| reap 25%"]
+    assert "| reap 25% | 0.20 / 0.80 / +0.600 +- " in rows[7]
+
+
 def test_a_teacher_that_is_not_shipped_is_refused_before_any_work(tmp_path, monkeypatch):
     F = _fidelity()
     monkeypatch.setattr(F, "REPO", tmp_path)
@@ -117,7 +140,9 @@ def test_each_teacher_is_pruned_and_distilled_as_itself(tmp_path, monkeypatch, t
     monkeypatch.setattr(F, "write_long_suite", lambda path, n: None)
     with pytest.raises(Stop):
         F.measure_teacher(teacher, {**F.TEACHERS[teacher], "candidate": candidate}, tmp_path, 5, 5, {})
-    assert len(calls) == 4  # three criteria, then the distillation
+    assert len(calls) == 7  # three criteria at 50% and at 25%, then the distillation
+    assert [a for cmd in calls[:6] for a in cmd if a.startswith("prune.ratio=")] == ["prune.ratio=0.5"] * 3 + \
+        ["prune.ratio=0.25"] * 3
     assert all(cmd.count(f"model={teacher}") == 1 for cmd in calls), calls
     assert all(sum(a.startswith("model.path=") for a in cmd) == (candidate is not None) for cmd in calls), calls
     assert all(f"model.path={candidate}" in cmd for cmd in calls) or candidate is None
