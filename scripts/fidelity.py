@@ -37,7 +37,7 @@ from slimwise_train.eval.study import run_app  # noqa: E402
 from slimwise_train.utils.atomic import write_text_atomic  # noqa: E402
 
 CRITERIA = ("mass", "ean", "reap")  # the finding names routing mass, EAN and REAP
-RATIO = "0.5"  # the paper's claims are at 50%, so every verdict is
+RATIO = "0.5"  # the paper's claims are at 50%, so every verdict is judged at this ratio
 # finding (1) also at 25%: at 50% a pruned decoder can sit at the floor (no accuracy left for a full prefill to
 # restore), which would hide a handoff gain that a lighter pruning shows
 LIGHT_RATIO = "0.25"
@@ -140,17 +140,17 @@ def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, t
         if not rows.is_file():
             write_long_suite(rows, 4096)
         data_args = [f"data.source={rows}", "data.seq_len=1024"]
+    calibration = [*data_args, "data.num_samples=128"] if data_args else []
     keep_sets, light_keep_sets = {}, {}
     for ratio, sets in ((RATIO, keep_sets), (LIGHT_RATIO, light_keep_sets)):
+        suffix = "" if ratio == RATIO else f"-r{ratio}"  # the 50% steps keep their names (a continued run finds them)
         for criterion in CRITERIA:
             prune_dir = out / keep_name(criterion, ratio)  # the eval app names a keep set by its folder
-            suffix = "" if ratio == RATIO else f" r{ratio}"
             if not (prune_dir / "keep_set.json").is_file():
-                extra = ["data.num_samples=128"] if data_args else []
                 run([py, "-m", "slimwise_train.prune", *model_args(spec), f"prune.criterion={criterion}",
-                     f"prune.ratio={ratio}", *data_args, *extra, "progress=false", f"hydra.run.dir={prune_dir}"],
-                    out / f"prune-{criterion}{suffix.replace(' ', '-')}.log", timings,
-                    f"{name} prune {criterion}{suffix}")
+                     f"prune.ratio={ratio}", *calibration, "progress=false", f"hydra.run.dir={prune_dir}"],
+                    out / f"prune-{criterion}{suffix}.log", timings,
+                    f"{name} prune {criterion}{suffix.replace('-', ' ')}")
             sets[criterion] = prune_dir / "keep_set.json"
 
     train_dir = out / f"distill-{keep_name(DISTILL_CRITERION)}"
@@ -166,24 +166,22 @@ def measure_teacher(name: str, spec: dict, out: Path, eval_n: int, steps: int, t
 
     families = f"eval.families=[{','.join(spec['families'])}]"
     common = [*model_args(spec), families, f"eval.num_per_family={eval_n}", "progress=false"]
-    eval_main, eval_more = out / "eval-reap", out / "eval-mass-ean"
-    if not (eval_main / "results.json").is_file():
-        run([py, "-m", "slimwise_train.eval", *common, f"eval.keep_sets=[{keep_sets[DISTILL_CRITERION]}]",
-             f"eval.student={train_dir}", "eval.modes=[full,conventional,slimwise,reverse,slimwise_distill]",
-             f"hydra.run.dir={eval_main}"], out / "eval-reap.log", timings, f"{name} eval reap")
-    if not (eval_more / "results.json").is_file():
-        others = [keep_sets[c] for c in CRITERIA if c != DISTILL_CRITERION]
-        run([py, "-m", "slimwise_train.eval", *common, f"eval.keep_sets=[{','.join(map(str, others))}]",
-             "eval.modes=[full,conventional,slimwise]", f"hydra.run.dir={eval_more}"],
-            out / "eval-mass-ean.log", timings, f"{name} eval mass ean")
-    eval_light = out / f"eval-r{LIGHT_RATIO}"
-    if not (eval_light / "results.json").is_file():
-        run([py, "-m", "slimwise_train.eval", *common,
-             f"eval.keep_sets=[{','.join(str(light_keep_sets[c]) for c in CRITERIA)}]",
-             "eval.modes=[full,conventional,slimwise]", f"hydra.run.dir={eval_light}"],
-            out / f"eval-r{LIGHT_RATIO}.log", timings, f"{name} eval r{LIGHT_RATIO}")
-    return {"main": Results(eval_main / "results.json"), "more": Results(eval_more / "results.json"),
-            "light": Results(eval_light / "results.json"), "spec": spec, "steps": steps}
+
+    def evaluate(folder: str, keep_paths: list[Path], modes: str, *extra: str) -> Results:
+        """One eval app call into <out>/<folder> (skipped when its results exist), logged as <folder>.log."""
+        if not (out / folder / "results.json").is_file():
+            run([py, "-m", "slimwise_train.eval", *common, f"eval.keep_sets=[{','.join(map(str, keep_paths))}]",
+                 *extra, f"eval.modes=[{modes}]", f"hydra.run.dir={out / folder}"],
+                out / f"{folder}.log", timings, f"{name} {folder.replace('-', ' ')}")
+        return Results(out / folder / "results.json")
+
+    return {"main": evaluate("eval-reap", [keep_sets[DISTILL_CRITERION]],
+                             "full,conventional,slimwise,reverse,slimwise_distill", f"eval.student={train_dir}"),
+            "more": evaluate("eval-mass-ean", [keep_sets[c] for c in CRITERIA if c != DISTILL_CRITERION],
+                             "full,conventional,slimwise"),
+            "light": evaluate(f"eval-r{LIGHT_RATIO}", [light_keep_sets[c] for c in CRITERIA],
+                              "full,conventional,slimwise"),
+            "spec": spec, "steps": steps}
 
 
 # ----------------------------------------------------------------------------------------------- verdicts
@@ -197,7 +195,7 @@ def finding_1(m: dict) -> tuple[list[str], str]:
     fams = m["spec"]["families"]
     lines = ["| criterion, pruned | " + " | ".join(f"{f}: conv / SlimWise / diff" for f in fams) + " | pooled diff |",
              "|---|" + "---|" * (len(fams) + 1)]
-    pooled_sig, any_sig, any_neg, light_pooled_sig = [], False, False, []
+    pooled_by_ratio, any_sig, any_neg = {RATIO: [], LIGHT_RATIO: []}, False, False
     rows = [(c, RATIO, m["main"] if c == DISTILL_CRITERION else m["more"]) for c in CRITERIA]
     rows += [(c, LIGHT_RATIO, m["light"]) for c in CRITERIA] if "light" in m else []
     for criterion, ratio, res in rows:
@@ -209,12 +207,13 @@ def finding_1(m: dict) -> tuple[list[str], str]:
                 any_sig |= significant(diff) and f != "all"
                 any_neg |= significant(diff, -1)
             if f == "all":
-                (pooled_sig if ratio == RATIO else light_pooled_sig).append(significant(diff))
+                pooled_by_ratio[ratio].append(significant(diff))
                 cells.append(fmt(diff))
             else:
                 cells.append(f"{res.accuracy(ks, 'conventional', f):.2f} / {res.accuracy(ks, 'slimwise', f):.2f} / "
                              f"{fmt(diff)}")
         lines.append(f"| {criterion} {float(ratio):.0%} | " + " | ".join(cells) + " |")
+    pooled_sig = pooled_by_ratio[RATIO]
     full = m["main"]
     lines += ["", "Full model: " + ", ".join(f"{f} {full.accuracy(None, 'full', f):.2f}" for f in fams) + "."]
     if all(pooled_sig):
@@ -228,7 +227,7 @@ def finding_1(m: dict) -> tuple[list[str], str]:
     if any_neg:
         verdict += "; SlimWise is worse by more than 2 SE somewhere at 50% (see the table)"
     if "light" in m:
-        gains = [c for c, s in zip(CRITERIA, light_pooled_sig) if s]
+        gains = [c for c, s in zip(CRITERIA, pooled_by_ratio[LIGHT_RATIO]) if s]
         verdict += (f"; at {float(LIGHT_RATIO):.0%} SlimWise beats conventional by more than 2 SE pooled under "
                     f"{', '.join(gains)}" if gains else
                     f"; at {float(LIGHT_RATIO):.0%} no pooled difference exceeds 2 SE either")
