@@ -197,9 +197,9 @@ def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_k
         log.info("statistics: cache hit %s", cache_file)
         return stats, meta, "cache"
     pairs = load_pairs(cfg.data, key=data_key)  # errors name the user's key (the trainer's is `calibration`)
-    encoded = encode_all(tokenizer, pairs, cfg.data)
+    encoded = encode_all(tokenizer, pairs, cfg.data, find_turns=False, key=data_key)  # every token is scored
     # Refuse before the forward passes, not after: the count is known from the token ids.
-    check_enough_tokens(sum(len(ids) for ids, _ in encoded), int(cfg.prune.min_calibration_tokens),
+    check_enough_tokens(sum(len(sequence[0]) for sequence in encoded), int(cfg.prune.min_calibration_tokens),
                         f"calibration data {cfg.data.source!r}")
     rank, world = du.rank(), du.world_size()
     if len(encoded) < world:
