@@ -295,3 +295,14 @@ def test_system_and_tools_columns_become_the_system_turn_and_the_templates_tools
     with pytest.raises(BadRow, match="its tools column is text but not JSON"):
         row_to_pair({**row, "tools": "get_weather(city)"})
     assert CHATML_TOOLS_TEMPLATE.count("{% generation %}") == 1  # the fixture's markers (the prefix path strips them)
+
+
+def test_the_supervise_choices_are_the_schemas():
+    from typing import get_args
+
+    from slimwise_train.config import Supervise
+    from slimwise_train.data.loading import SUPERVISE
+
+    assert SUPERVISE == get_args(Supervise)
+    with pytest.raises(ValueError, match="data.supervise='some' is not one of auto, assistant, all"):
+        encode_example(AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER)), TextPair("a", "b"), supervise="some")

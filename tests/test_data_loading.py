@@ -52,7 +52,8 @@ def test_recipe_loading_on_local_rows_in_the_hub_schema(tmp_path, chat_tokenizer
     chat = [p for p in pairs if p.family == "chat"]
     tool = [p for p in pairs if p.family == "tool"]
     assert len(chat) == 8 and len(tool) == 2  # weights 0.8 / 0.2
-    assert chat[0].messages == [{"role": "user", "content": "What is 0 squared?"}, {"role": "assistant", "content": "0"}]
+    assert chat[0].messages == [{"role": "user", "content": "What is 0 squared?"},
+                                {"role": "assistant", "content": "0"}]
     assert tool[0].messages == [
         {"role": "system", "content": "You are an airline agent."}, {"role": "user", "content": "book me"},
         {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "book", "arguments": {}}}]},

@@ -221,7 +221,7 @@ class Rendered:
 
     @property
     def first_supervised(self) -> int | None:
-        """Index of the first assistant token (the prompt's length), None when there is none or it was not looked for."""
+        """Index of the first assistant token (the prompt's length); None: there is none, or it was not looked for."""
         return None if self.supervised is None else next((i for i, s in enumerate(self.supervised) if s), None)
 
 
@@ -282,8 +282,9 @@ def _turns_by_prefixes(tokenizer, messages: list[dict], tools: list | None, whol
         end = whole if i == len(messages) - 1 else _apply(tokenizer, messages[: i + 1], tools, origin)[0]
         if whole[: len(start)] != start or whole[: len(end)] != end or len(end) <= len(start):
             raise _no_turns(tokenizer, origin, f"it has no generation markers, and rendering the conversation up to "
-                                               f"turn {i} is not a token prefix of the whole rendering (a template that "
-                                               "drops earlier turns' reasoning once a later turn follows does this)")
+                                               f"turn {i} is not a token prefix of the whole rendering (a template "
+                                               "that drops earlier turns' reasoning once a later turn follows does "
+                                               "this)")
         supervised[len(start): len(end)] = [1] * (len(end) - len(start))
     return supervised
 

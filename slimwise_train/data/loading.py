@@ -343,9 +343,9 @@ def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int, ke
 # --------------------------------------------------------------------------- tokenisation and batching
 
 
-# Which tokens are loss targets (data.supervise): auto = the assistant turns when a chat template renders the rows, every
-# token with the plain rendering (as before conversations were rendered whole) | assistant = the assistant turns (plain
-# rendering: the answer and EOS) | all = every token.
+# Which tokens are loss targets (data.supervise; config.Supervise is the same list): auto = the assistant turns when a
+# chat template renders the rows, every token with the plain rendering (as before conversations were rendered whole) |
+# assistant = the assistant turns (plain rendering: the answer and EOS) | all = every token.
 SUPERVISE = ("auto", "assistant", "all")
 
 
@@ -437,8 +437,8 @@ def rendering_description(tokenizer, data_cfg, key: str = "data") -> str:
                 f"{targets} ({key}.supervise={supervise})")
     why = "has no chat template" if not template_of(tokenizer) else f"has one but {key}.chat_template=false"
     targets = "the answer and EOS" if supervise == "assistant" else "every token"
-    return (f"the tokenizer {name} {why}: plain rendering (prompt text, answer text, EOS; a conversation's turns before "
-            f"its last assistant turn as 'role: content' lines, tools not shown); loss targets: {targets} "
+    return (f"the tokenizer {name} {why}: plain rendering (prompt text, answer text, EOS; a conversation's turns "
+            f"before its last assistant turn as 'role: content' lines, tools not shown); loss targets: {targets} "
             f"({key}.supervise={supervise})")
 
 
