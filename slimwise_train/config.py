@@ -190,10 +190,12 @@ class SplitConfig:
     # the same split points, loss positions (the continuation only) and teacher targets (the full model over the whole
     # sequence, computed exactly as with teacher). A run cannot resume with the other value.
     prefix_from: Annotated[str, PrefixFrom] = "teacher"
-    # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation]
+    # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation], over the whole
+    # sequence (a conversation: all its turns); the loss covers the supervised tokens after it (data.supervise)
     min_split: int = 1
     min_continuation: int = 2  # fewest continuation tokens after the split point
-    split_after_prompt: bool = False  # split after the prompt (prompt/answer rows)
+    # the split point at or after the prompt: the first assistant (supervised) token of the row (docs/data.md)
+    split_after_prompt: bool = False
     bucket_windows: int = 8  # length bucketing: sort windows of this many global batches by length
 
 
