@@ -236,3 +236,18 @@ def test_cli_calibrates_on_tool_conversations_rendered_whole_by_a_chat_template(
                    for r in rows)
     assert summary["calibration_tokens"] == expected
     assert KeepSet.load(tmp_path / "run" / "keep_set.json").num_kept == (4, 4)
+
+
+def test_the_statistics_cache_key_follows_the_chat_template(chat_tokenizer_dir):
+    """Calibration tokens depend on the chat template's text: an edited template is another key; with
+    data.chat_template=false (plain rendering) the template does not matter."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.prune.statistics import statistics_key
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    data, plain = compose_config("prune").data, compose_config("prune", "data.chat_template=false").data
+    before = statistics_key({"weights": "w"}, data, tokenizer), statistics_key({"weights": "w"}, plain, tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>system\n", "<|im_start|>system \n")
+    after = statistics_key({"weights": "w"}, data, tokenizer), statistics_key({"weights": "w"}, plain, tokenizer)
+    assert before[0] != after[0] and before[1] == after[1]

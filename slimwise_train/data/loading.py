@@ -343,6 +343,10 @@ def _pairs_from_recipe(recipe: dict, split: str, num_samples: int, seed: int, ke
 # --------------------------------------------------------------------------- tokenisation and batching
 
 
+# Bumped when the same rows and tokenizer give other token ids (caches of results computed from them are keyed on it):
+# 2 = conversations rendered whole by the chat template, a `system` column as the first turn.
+RENDERING_VERSION = 2
+
 # Which tokens are loss targets (data.supervise; config.Supervise is the same list): auto = the assistant turns when a
 # chat template renders the rows, every token with the plain rendering (as before conversations were rendered whole) |
 # assistant = the assistant turns (plain rendering: the answer and EOS) | all = every token.

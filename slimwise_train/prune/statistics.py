@@ -152,10 +152,13 @@ def collect_statistics(model, batches: Iterable[dict], progress: bool = True, to
 
 def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
     data = {k: data_cfg[k] for k in ("source", "split", "subset", "text_field", "num_samples", "seq_len",
-                                     "chat_template", "seed", "shuffle")}
-    from slimwise_train.data.loading import source_digest
+                                     "chat_template", "seed", "shuffle", "bad_rows")}
+    from slimwise_train.data.loading import RENDERING_VERSION, source_digest, template_of, uses_template
 
     data["source_digest"] = source_digest(str(data_cfg["source"]))  # an edited recipe or local file: recompute
+    # how rows become tokens: the code's version and the chat template's text (an edited template: recompute)
+    template = template_of(tokenizer) if uses_template(tokenizer, data_cfg["chat_template"]) else None
+    data["rendering"] = [RENDERING_VERSION, hashlib.sha256(template.encode()).hexdigest()[:16] if template else None]
     payload = {"model": fingerprint, "data": data, "tokenizer": [type(tokenizer).__name__, len(tokenizer)]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
