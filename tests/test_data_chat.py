@@ -148,6 +148,11 @@ def test_a_template_that_changes_earlier_turns_is_an_error_naming_the_fix(tmp_pa
     assert "\n" not in message and message.startswith("row 7 of chats: cannot find the assistant turns")
     assert "{% generation %}" in message and "data.chat_template=false" in message and "turn 1" in message
     assert render(markers, conversation).method == chat.MARKERS  # the same rows with markers: fine
+    # Markers that enclose none of the assistant tokens are no way to find them either.
+    tokenizer.chat_template = "{% for m in messages %}{{ m.content }}\n{% endfor %}{% generation %}{% endgeneration %}"
+    with pytest.raises(ValueError, match="row 7 of chats: cannot find the assistant turns .*: its generation markers "
+                                         "mark no token of this row's assistant turns; add"):
+        render(tokenizer, conversation)
 
 
 # --------------------------------------------------------------------------- supervise, plain rendering
