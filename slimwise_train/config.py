@@ -53,6 +53,13 @@ PlanDevice = Literal["cuda", "cpu"]  # plan.device: cuda = bf16 on GPUs | cpu = 
 # eval.modes items, in their report order (eval/modes.py MODES is this list): full | conventional (pruned prefill and
 # decode) | slimwise (full prefill, pruned decode) | reverse (pruned prefill, full decode) | conventional_distill (the
 # distilled student prefills and decodes) | slimwise_distill (full prefill, distilled student decode).
+# data.supervise: which tokens are loss targets (data/loading.py SUPERVISE). auto = the assistant turns when the chat
+# template renders the rows, every token with the plain rendering | assistant = the assistant turns (plain: the answer
+# and EOS) | all = every token.
+Supervise = Literal["auto", "assistant", "all"]
+# data.bad_rows: a row that cannot be rendered as given (unknown role, content not text, a tool call of an unlisted
+# tool, a row the template refuses): error = a one-line error naming it | skip = skipped and counted in the log.
+BadRows = Literal["error", "skip"]
 EvalMode = Literal["full", "conventional", "slimwise", "reverse", "conventional_distill", "slimwise_distill"]
 
 
@@ -94,7 +101,15 @@ class DataConfig:
     num_samples: int = 256  # rows read (before the held-out cut)
     seq_len: int = 256  # tokens per sequence; longer rows are truncated (counted in the log)
     batch_size: int = 8  # sequences per micro-batch (per rank)
-    chat_template: bool = True  # apply the tokenizer's chat template when it has one
+    # render rows with the tokenizer's chat template when it has one: conversations whole (system, tools, every turn),
+    # prompt+answer rows as a user turn and an assistant turn; false (or no template): plain text (docs/data.md)
+    chat_template: bool = True
+    # which tokens are loss targets after the split point: auto = the assistant turns with a chat template, every token
+    # with the plain rendering | assistant = the assistant turns (plain: the answer and EOS) | all = every token
+    supervise: Annotated[str, Supervise] = "auto"
+    # a row that cannot be rendered as given (unknown role, content not text, a call of a tool its tools do not list,
+    # a row the template refuses): error = a one-line error naming the row | skip = skipped, counted in the log
+    bad_rows: Annotated[str, BadRows] = "error"
     seed: int = 1234  # seed of the row shuffle and of the synthetic suite's stream
     shuffle: bool = True  # shuffle the rows before the held-out cut
 
@@ -175,10 +190,12 @@ class SplitConfig:
     # the same split points, loss positions (the continuation only) and teacher targets (the full model over the whole
     # sequence, computed exactly as with teacher). A run cannot resume with the other value.
     prefix_from: Annotated[str, PrefixFrom] = "teacher"
-    # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation]
+    # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation], over the whole
+    # sequence (a conversation: all its turns); the loss covers the supervised tokens after it (data.supervise)
     min_split: int = 1
     min_continuation: int = 2  # fewest continuation tokens after the split point
-    split_after_prompt: bool = False  # split after the prompt (prompt/answer rows)
+    # the split point at or after the prompt: the first assistant (supervised) token of the row (docs/data.md)
+    split_after_prompt: bool = False
     bucket_windows: int = 8  # length bucketing: sort windows of this many global batches by length
 
 
@@ -399,6 +416,15 @@ class PlanAppConfig:
     json_only: bool = False  # print only the JSON line
 
 
+@dataclass
+class DataShowAppConfig:
+    """`python -m slimwise_train.data show`: the data as a run sees it, before any model weights load."""
+
+    model: ModelConfig = MISSING  # only its tokenizer is read (model.tokenizer, else model.path) and its context length
+    data: DataConfig = field(default_factory=DataConfig)  # the rows shown: source, seq_len, chat_template, supervise, ...
+    n: int = 3  # sequences printed in full, supervised tokens marked (all of them are counted)
+
+
 def model_name_from(path: Optional[str], fallback: str) -> str:
     """`${model_name:${.path},<fallback>}`: the checkpoint's folder or hub name when a path is given."""
     if path in (None, "", "None", "null"):
@@ -441,6 +467,7 @@ def register_configs() -> None:
     cs.store(name="train_app_schema", node=TrainAppConfig)
     cs.store(name="eval_app_schema", node=EvalAppConfig)
     cs.store(name="plan_app_schema", node=PlanAppConfig)
+    cs.store(name="data_show_app_schema", node=DataShowAppConfig)
     cs.store(group="model", name="model_schema", node=ModelConfig)
     cs.store(group="data", name="data_schema", node=DataConfig)
     cs.store(group="prune", name="prune_schema", node=PruneConfig)

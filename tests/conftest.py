@@ -35,3 +35,19 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir(tmp_path_factory):
+    """A tokenizer folder with a ChatML tool template whose assistant turns carry {% generation %} markers."""
+    from helpers import write_chat_tokenizer
+
+    return write_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer_dir_no_markers(tmp_path_factory):
+    """The same template without the markers: assistant turns are found by rendering prefixes."""
+    from helpers import write_chat_tokenizer
+
+    return write_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer_no_markers"), generation_markers=False)

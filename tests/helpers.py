@@ -61,3 +61,79 @@ def compose_config(app: str, *overrides: str, **kwargs) -> DictConfig:
 def train_cfg(output_dir, *overrides: str) -> DictConfig:
     """The trainer tests' short real run (FAST_TRAIN) writing to `output_dir`, with `overrides` last."""
     return compose_config("train", *FAST_TRAIN, f"output_dir={output_dir}", *overrides)
+
+
+# --------------------------------------------------------------------------- a tokenizer with a chat template
+
+# A ChatML template in the Qwen manner, written for the tests: system prompt and tools in the first system turn, an
+# assistant turn's tool calls as <tool_call> JSON, tool results as <tool_response> in a user turn, and every assistant
+# turn's output (content, calls, <|im_end|> and its newline) between {% generation %} markers. A role it does not know
+# and a system turn after the first are template errors (raise_exception), as in real templates.
+CHATML_TOOLS_TEMPLATE = """\
+{%- if tools %}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call a tool as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>
+{% elif messages[0].role == 'system' %}
+<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' %}
+{%- if not loop.first %}{{ raise_exception('a system turn must come first') }}{% endif %}
+{%- elif message.role == 'user' %}
+<|im_start|>user
+{{ message.content }}<|im_end|>
+{% elif message.role == 'assistant' %}
+<|im_start|>assistant
+{% generation %}
+{%- if message.content %}{{ message.content }}{% endif %}
+{%- for call in message.tool_calls or [] %}
+<tool_call>{"name": "{{ call.function.name }}", "arguments": \
+{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}
+<|im_end|>
+{% endgeneration %}
+{%- elif message.role == 'tool' %}
+<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}
+{{- raise_exception('unknown role ' + message.role) }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}
+"""
+CHAT_SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHAT_TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
+def write_chat_tokenizer(folder, generation_markers: bool = True) -> Path:
+    """The shipped tokenizer (slimwise_train/assets/tokenizer) with ChatML tokens and CHATML_TOOLS_TEMPLATE saved in
+    `folder`; generation_markers=False strips the {% generation %} markers (assistant turns found by prefixes) by
+    putting a block that does nothing in their place, so the template renders the same text."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.models import SHIPPED_TOKENIZER
+
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER))
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS)})
+    tokenizer.add_tokens(list(CHAT_TOOL_TOKENS))
+    template = CHATML_TOOLS_TEMPLATE
+    if not generation_markers:
+        template = template.replace("{% generation %}", "{% if true %}").replace("{% endgeneration %}", "{% endif %}")
+    tokenizer.chat_template = template
+    tokenizer.model_max_length = 1 << 16  # tool conversations with their schemas run past the suite's 1024 tokens
+    tokenizer.save_pretrained(str(folder))
+    return Path(folder)
+
+
+# The shipped conversations (slimwise_train/data/tool_chats.py) in each row form.
+TOOL_CHATS = {form: REPO / "slimwise_train" / "assets" / "data" / f"tool_chats_{form}.jsonl"
+              for form in ("openai", "sharegpt")}

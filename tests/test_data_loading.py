@@ -9,7 +9,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from slimwise_train.config import DataConfig
-from slimwise_train.data.loading import RECIPES_DIR, TextPair, encode_pair, load_pairs, load_recipe, row_to_pair
+from slimwise_train.data.chat import Conversation
+from slimwise_train.data.loading import (RECIPES_DIR, TextPair, encode_example, encode_pair, load_pairs, load_recipe,
+                                         row_to_pair)
 from slimwise_train.models import SHIPPED_TOKENIZER
 
 
@@ -21,17 +23,23 @@ def test_slimwise_mix_recipe_names_the_papers_sources():
     recipe = load_recipe("slimwise_mix")
     ids = {s["id"]: s for s in recipe["sources"]}
     assert set(ids) == {"mlabonne/open-perfectblend", "Salesforce/APIGen-MT-5k"}
-    assert ids["Salesforce/APIGen-MT-5k"]["context_fields"] == ["system", "tools"]
+    assert "context_fields" not in ids["Salesforce/APIGen-MT-5k"]  # its system and tools columns are read as such
 
 
-def test_recipe_loading_on_local_rows_in_the_hub_schema(tmp_path):
+def test_recipe_loading_on_local_rows_in_the_hub_schema(tmp_path, chat_tokenizer_dir):
+    """slimwise_mix on local files of its sources' schema: ShareGPT conversations; APIGen-MT's `system` column is the
+    system turn and its `tools` column (JSON text) the template's tools, rendered whole by the chat template."""
+    from transformers import AutoTokenizer
+
     blend = tmp_path / "blend.jsonl"
     blend.write_text("\n".join(json.dumps({"conversations": [
         {"from": "human", "value": f"What is {i} squared?"}, {"from": "gpt", "value": f"{i * i}"}]}) for i in range(8)))
     apigen = tmp_path / "apigen.jsonl"
+    tools = [{"name": "book", "description": "Book a flight.", "parameters": {"type": "object", "properties": {}}}]
     apigen.write_text("\n".join(json.dumps({
-        "system": "You are an airline agent.", "tools": '[{"name": "book"}]',
-        "conversations": [{"from": "human", "value": "book me"}, {"from": "function_call", "value": '{"name": "book"}'},
+        "system": "You are an airline agent.", "tools": json.dumps(tools),
+        "conversations": [{"from": "human", "value": "book me"},
+                          {"from": "function_call", "value": '{"name": "book", "arguments": {}}'},
                           {"from": "observation", "value": "ok"}, {"from": "gpt", "value": f"Booked #{i}."}]})
         for i in range(8)))
     recipe = yaml.safe_load((RECIPES_DIR / "slimwise_mix.yaml").read_text())
@@ -40,14 +48,27 @@ def test_recipe_loading_on_local_rows_in_the_hub_schema(tmp_path):
     path = tmp_path / "local_mix.yaml"
     path.write_text(yaml.safe_dump(recipe))
     pairs = load_pairs(_cfg(source=str(path), num_samples=10, shuffle=False))
-    assert len(pairs) == 10
+    assert len(pairs) == 10 and all(isinstance(p, Conversation) for p in pairs)
     chat = [p for p in pairs if p.family == "chat"]
     tool = [p for p in pairs if p.family == "tool"]
     assert len(chat) == 8 and len(tool) == 2  # weights 0.8 / 0.2
-    assert chat[0] == TextPair("user: What is 0 squared?\n", "0", "chat")
-    assert tool[0].prompt.startswith("system: You are an airline agent.\ntools: [")
-    assert "assistant: {\"name\": \"book\"}" in tool[0].prompt and "tool: ok" in tool[0].prompt
-    assert tool[0].answer == "Booked #0."
+    assert chat[0].messages == [{"role": "user", "content": "What is 0 squared?"},
+                                {"role": "assistant", "content": "0"}]
+    assert tool[0].messages == [
+        {"role": "system", "content": "You are an airline agent."}, {"role": "user", "content": "book me"},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "book", "arguments": {}}}]},
+        {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Booked #0."}]
+    assert tool[0].tools == tools and tool[0].origin == f"row 0 of {apigen}"
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    text = tokenizer.decode(encode_example(tokenizer, tool[0]).ids)
+    assert text.startswith("<|im_start|>system\nYou are an airline agent.\n\n# Tools\n<tools>\n"
+                           '{"name": "book", "description": "Book a flight."')
+    assert '<tool_call>{"name": "book", "arguments": {}}</tool_call>' in text and text.count("<|im_start|>") == 5
+    # A recipe of before, with the text prefix of context_fields, is refused in one line naming the replacement.
+    recipe["sources"][1]["context_fields"] = ["system", "tools"]
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(ValueError, match=r"sources\[1\].context_fields is no longer read: a `system` column"):
+        load_pairs(_cfg(source=str(path), num_samples=10))
 
 
 def test_row_formats_and_bad_rows():

@@ -615,3 +615,40 @@ def test_lengths_report_orders_conventional_distilled_before_distilled():
     runs = [({"run": m, "mode": m, "model": "m", "mode_description": m, "tasks": {}, "written_at": k}, records)
             for k, m in enumerate(["distilled", "conventional_distilled", "full"])]
     assert [r["mode"] for r in combined_results(runs)["runs"]] == ["full", "conventional_distilled", "distilled"]
+
+
+# ------------------------------------------------------------------------------------ chat templates
+
+
+def test_chat_template_contexts_are_the_templates_tokens_with_one_bos(tmp_path, chat_tokenizer_dir):
+    """chat_template=true (and lm-eval's --apply_chat_template, which calls apply_chat_template then tok_encode): the
+    context is the template's rendering tokenised as apply_chat_template tokenises it, and a template that writes its
+    own BOS is not given a second one (as lm-eval's hf model)."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.lm_eval.model import SlimwiseLM
+    from slimwise_train.testing.tiny import tiny_model
+
+    from tokenizers import processors
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template  # as Gemma's and Llama's templates
+    bos = tokenizer.bos_token_id  # and the tokenizer adds one by itself, as theirs do
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos)])
+    tiny_model("qwen3_moe", vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+               eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>")).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    question = [{"role": "user", "content": "What is 2+2?"}]
+    expected = tokenizer.apply_chat_template(question, add_generation_prompt=True)["input_ids"]
+    assert expected[0] == bos and expected[1] != bos
+    try:
+        lm = SlimwiseLM(pretrained=str(tmp_path / "model"), mode="full", device="cpu", progress=False,
+                        chat_template="true", add_bos_token="true", max_gen_toks=4)
+        assert lm._context_ids("What is 2+2?") == expected  # chat_template=true
+        assert lm.tok_encode(lm.apply_chat_template(question)) == expected  # --apply_chat_template
+        assert lm.tok_encode("plain text") == [bos, *tokenizer("plain text", add_special_tokens=False)["input_ids"]]
+        out = lm.generate_until([_Request(("What is 2+2?", {"until": ["<|im_end|>"], "max_gen_toks": 4}))])
+        assert len(out) == 1 and isinstance(out[0], str)
+    finally:
+        SlimwiseLM.instances.clear()

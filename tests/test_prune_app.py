@@ -209,3 +209,45 @@ def test_one_function_builds_keep_sets_from_scores_for_every_caller():
     package = Path(__file__).resolve().parents[1] / "slimwise_train"
     callers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "select_keep(" in p.read_text())
     assert callers == ["prune/criteria.py"]
+
+
+@pytest.mark.subprocess
+def test_cli_calibrates_on_tool_conversations_rendered_whole_by_a_chat_template(tmp_path, chat_tokenizer_dir):
+    """Issue 47: with a chat template the first command of the tour failed on every real model (BatchEncoding). The
+    shipped tool conversations are rendered whole (system, tools, every turn): the calibration tokens are those of
+    transformers' own rendering of each row, cut at data.seq_len."""
+    from transformers import AutoTokenizer
+
+    from helpers import TOOL_CHATS
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "slimwise_train.prune", "model=tiny_qwen3_moe", f"model.tokenizer={chat_tokenizer_dir}",
+         f"data.source={TOOL_CHATS['openai']}", f"hydra.run.dir={tmp_path / 'run'}",
+         f"prune.cache_dir={tmp_path / 'cache'}", "progress=false"],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "rows rendered whole by the chat template" in log and "truncated" in log
+    summary = json.loads((tmp_path / "run" / "prune_summary.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    rows = [json.loads(line) for line in TOOL_CHATS["openai"].read_text().splitlines()]
+    seq_len = compose_config("prune").data.seq_len
+    expected = sum(min(len(tokenizer.apply_chat_template(r["messages"], tools=r.get("tools"))["input_ids"]), seq_len)
+                   for r in rows)
+    assert summary["calibration_tokens"] == expected
+    assert KeepSet.load(tmp_path / "run" / "keep_set.json").num_kept == (4, 4)
+
+
+def test_the_statistics_cache_key_follows_the_chat_template(chat_tokenizer_dir):
+    """Calibration tokens depend on the chat template's text: an edited template is another key; with
+    data.chat_template=false (plain rendering) the template does not matter."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.prune.statistics import statistics_key
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    data, plain = compose_config("prune").data, compose_config("prune", "data.chat_template=false").data
+    before = statistics_key({"weights": "w"}, data, tokenizer), statistics_key({"weights": "w"}, plain, tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>system\n", "<|im_start|>system \n")
+    after = statistics_key({"weights": "w"}, data, tokenizer), statistics_key({"weights": "w"}, plain, tokenizer)
+    assert before[0] != after[0] and before[1] == after[1]

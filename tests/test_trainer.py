@@ -449,3 +449,52 @@ def test_wandb_mode_is_one_rule_for_the_trainer_and_the_eval_app(monkeypatch):
     assert wandb_mode(auto) == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert wandb_mode(auto) == "disabled" and wandb_mode(SimpleNamespace(mode="offline")) == "offline"
+
+
+# ---------------------------------------------------------------------------------------------- conversations
+
+# The shipped tool conversations whole (up to ~1400 tokens with their tool schemas): the tiny model's context raised.
+CHAT_RUN = ("distill.schedule.max_steps=2", "distill.eval.every=2", "distill.checkpoint.every=2", "data.seq_len=1536",
+            "+model.tiny_overrides.max_position_embeddings=2048")
+
+
+@pytest.mark.subprocess
+def test_distills_on_multi_turn_tool_conversations_with_the_loss_on_assistant_tokens(tmp_path, chat_tokenizer_dir):
+    """Issue 47: the train app on the shipped multi-turn tool conversations through a chat template: it trains, and
+    every loss target of a batch is an assistant token as transformers' own assistant mask of that row marks it (the
+    split point anywhere in the sequence, the targets after it)."""
+    from transformers import AutoTokenizer
+
+    from helpers import CHILD_ENV, TOOL_CHATS
+
+    overrides = [f"model.tokenizer={chat_tokenizer_dir}", f"data.source={TOOL_CHATS['openai']}", *CHAT_RUN]
+    proc = subprocess.run([sys.executable, "-m", "slimwise_train", *SMALL, *overrides,
+                           f"hydra.run.dir={tmp_path / 'cli'}"], cwd=REPO, env=CHILD_ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [m for m in read_metrics(tmp_path / "cli") if "loss" in m and "eval/loss" not in m]
+    assert len(steps) == 2 and all(0 < m["loss_tokens"] and m["loss"] == m["loss"] for m in steps)
+    assert "loss targets: the assistant turns" in proc.stdout + proc.stderr
+
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
+    masks = {}
+    for line in TOOL_CHATS["openai"].read_text().splitlines():
+        row = json.loads(line)
+        out = tokenizer.apply_chat_template(row["messages"], tools=row.get("tools"), return_assistant_tokens_mask=True)
+        masks[tuple(out["input_ids"])] = out["assistant_masks"]
+    trainer = Trainer(make_cfg(tmp_path / "in", *overrides)).setup()
+    try:
+        checked = 0
+        for step in range(2):
+            for batch in trainer._micro_batches(step)[0]:
+                for row, (s, n) in enumerate(zip(batch.splits, batch.lengths)):
+                    prefix = batch.prefix_ids[row, batch.prefix_ids.shape[1] - s:]
+                    ids = prefix.tolist() + batch.cont_ids[row, :n - s].tolist()
+                    mask = masks[tuple(ids)]  # the whole conversation, uncut
+                    expected = [ids[j] if mask[j] else IGNORE_INDEX for j in range(s + 1, n)]
+                    assert batch.labels[row, :n - s - 1].tolist() == expected
+                    assert (batch.labels[row, n - s - 1:] == IGNORE_INDEX).all()
+                    checked += 1
+        assert checked == 2 * trainer.global_batch
+    finally:
+        trainer.close()

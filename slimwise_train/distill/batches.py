@@ -1,7 +1,8 @@
 """Split points, bucketing and continuation batches for teacher-KV distillation.
 
-Every sequence x (n tokens, prompt + answer + EOS) gets its own split point s (distill.split.*); the teacher
-prefills x[:s] and the student predicts the continuation x[s:] on the teacher's cache
+Every sequence x (n tokens: prompt + answer + EOS, or a whole conversation rendered by the chat template) gets its own
+split point s (distill.split.*); the teacher prefills x[:s] and the student predicts the continuation x[s:] on the
+teacher's cache
 (distill.split.prefix_from=student: on the cache of its own prefill of x[:s]; the same split points and batches either
 way). Bounds (inclusive):
 
@@ -10,6 +11,12 @@ way). Bounds (inclusive):
 min_split >= 1 (the cache needs a token) and min_continuation >= 2 (the last continuation token has no next token,
 so a continuation of m tokens gives m - 1 loss positions). Sequences with lo > hi cannot be split: they are dropped
 when the data is loaded and counted (`num_too_short`).
+
+A sequence is (ids, prompt_len) or (ids, prompt_len, supervised) (data/loading.py `encode_all`): with `supervised`,
+only the continuation tokens with supervised[i] = 1 (the assistant turns, data.supervise) are loss targets; the split
+point is drawn over the whole sequence all the same, as the method says. prompt_len is the first assistant token, so
+split_after_prompt starts the continuation in the first assistant turn. A sequence with no supervised token after its
+lowest split point is dropped with the too-short ones.
 
 Determinism and resumption: the order of sequences and their split points depend only on (data seed, split seed,
 epoch), never on RNG state, so a resumed run replays exactly the batches an uninterrupted run sees, and the same
@@ -27,6 +34,8 @@ Shapes: B micro-batch rows, P longest prefix (left-padded), L longest continuati
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 
 import torch
@@ -66,16 +75,40 @@ class SplitRule:
         return lo <= hi
 
 
-def filter_splittable(encoded: list[tuple[list[int], int]], rule: SplitRule) -> tuple[list[tuple[list[int], int]], int]:
-    """(sequences that can be split, number dropped as too short)."""
-    kept = [e for e in encoded if rule.splittable(len(e[0]), e[1])]
+def supervised_of(sequence: tuple) -> list[int] | None:
+    """The per-token loss mask of a sequence, None where every token is a target."""
+    return sequence[2] if len(sequence) > 2 else None
+
+
+def _has_target(sequence: tuple, rule: SplitRule) -> bool:
+    ids, prompt_len = sequence[0], sequence[1]
+    lo, hi = rule.bounds(len(ids), prompt_len)
+    if lo > hi:
+        return False
+    supervised = supervised_of(sequence)
+    return supervised is None or any(supervised[lo + 1:])  # targets of the lowest split point: x[lo+1:]
+
+
+def filter_splittable(encoded: list[tuple], rule: SplitRule) -> tuple[list[tuple], int]:
+    """(sequences that can be split with a loss target after the split, number dropped as too short)."""
+    kept = [e for e in encoded if _has_target(e, rule)]
     return kept, len(encoded) - len(kept)
 
 
-def sample_splits(sequences: list[tuple[list[int], int]], rule: SplitRule, generator: torch.Generator) -> list[int]:
+def data_fingerprint(sequences: list[tuple]) -> str:
+    """A digest of the token ids (and of the loss masks where there are any) a run trains on: a resume with other
+    data is refused."""
+    digest = hashlib.sha256(json.dumps([s[0] for s in sequences]).encode())
+    if any(supervised_of(s) is not None for s in sequences):
+        digest.update(json.dumps([supervised_of(s) for s in sequences]).encode())
+    return digest.hexdigest()[:16]
+
+
+def sample_splits(sequences: list[tuple], rule: SplitRule, generator: torch.Generator) -> list[int]:
     """One split point per sequence, uniform on its inclusive bounds, drawn from `generator`."""
     splits = []
-    for ids, prompt_len in sequences:
+    for sequence in sequences:
+        ids, prompt_len = sequence[0], sequence[1]
         lo, hi = rule.bounds(len(ids), prompt_len)
         splits.append(int(torch.randint(lo, hi + 1, (1,), generator=generator)))
     return splits
@@ -176,7 +209,7 @@ class ContinuationBatch:
     prefix_mask: torch.Tensor  # [B, P]
     cont_ids: torch.Tensor  # [B, L] right-padded
     full_mask: torch.Tensor  # [B, P + L] prefix mask then continuation mask
-    labels: torch.Tensor  # [B, L] next token inside the continuation, IGNORE_INDEX elsewhere
+    labels: torch.Tensor  # [B, L] next token inside the continuation where supervised, IGNORE_INDEX elsewhere
     splits: list[int]
     lengths: list[int]
 
@@ -202,24 +235,30 @@ class ContinuationBatch:
         return self
 
 
-def continuation_batch(sequences: list[tuple[list[int], int]], splits: list[int], pad_id: int) -> ContinuationBatch:
-    """Tensors for one micro-batch: prefix x[:s] left-padded, continuation x[s:] right-padded, labels x[s+j+1]."""
+def continuation_batch(sequences: list[tuple], splits: list[int], pad_id: int) -> ContinuationBatch:
+    """Tensors for one micro-batch: prefix x[:s] left-padded, continuation x[s:] right-padded, labels x[s+j+1] (only
+    where that token is supervised, for a sequence with a loss mask)."""
     batch = len(sequences)
     prefix_width = max(splits)
-    cont_width = max(len(ids) - s for (ids, _), s in zip(sequences, splits))
+    cont_width = max(len(sequence[0]) - s for sequence, s in zip(sequences, splits))
     prefix_ids = torch.full((batch, prefix_width), pad_id, dtype=torch.long)
     prefix_mask = torch.zeros((batch, prefix_width), dtype=torch.long)
     cont_ids = torch.full((batch, cont_width), pad_id, dtype=torch.long)
     cont_mask = torch.zeros((batch, cont_width), dtype=torch.long)
     labels = torch.full((batch, cont_width), IGNORE_INDEX, dtype=torch.long)
-    for row, ((ids, _), s) in enumerate(zip(sequences, splits)):
+    for row, (sequence, s) in enumerate(zip(sequences, splits)):
+        ids, supervised = sequence[0], supervised_of(sequence)
         ids_t = torch.tensor(ids, dtype=torch.long)
         prefix_ids[row, prefix_width - s :] = ids_t[:s]
         prefix_mask[row, prefix_width - s :] = 1
         m = len(ids) - s
         cont_ids[row, :m] = ids_t[s:]
         cont_mask[row, :m] = 1
-        labels[row, : m - 1] = ids_t[s + 1 :]
+        targets = ids_t[s + 1 :]
+        if supervised is not None:
+            unsupervised = torch.tensor(supervised[s + 1 :], dtype=torch.bool).logical_not()
+            targets = targets.masked_fill(unsupervised, IGNORE_INDEX)
+        labels[row, : m - 1] = targets
     return ContinuationBatch(
         prefix_ids=prefix_ids,
         prefix_mask=prefix_mask,
@@ -227,5 +266,5 @@ def continuation_batch(sequences: list[tuple[list[int], int]], splits: list[int]
         full_mask=torch.cat([prefix_mask, cont_mask], dim=1),
         labels=labels,
         splits=list(splits),
-        lengths=[len(ids) for ids, _ in sequences],
+        lengths=[len(sequence[0]) for sequence in sequences],
     )

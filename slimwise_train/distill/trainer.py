@@ -207,8 +207,7 @@ class Trainer:
                           data_seed=int(cfg.data.seed), split_seed=int(cfg.seed),
                           bucket_windows=int(cfg.distill.split.bucket_windows), shuffle=bool(cfg.data.shuffle))
         self._use_plan(plan, micro_batch)
-        self.data_fingerprint = hashlib.sha256(
-            json.dumps([ids for ids, _ in self.train_seqs]).encode()).hexdigest()[:16]
+        self.data_fingerprint = B.data_fingerprint(self.train_seqs)
         log.info("data: %d training sequences (%d too short to split, skipped), %d eval; global batch %d = %d rank(s) "
                  "x %d accumulation x %d", len(self.train_seqs), self.num_too_short, len(self.eval_seqs),
                  self.global_batch, self.world_size, self.grad_accum, self.micro_batch)
@@ -293,11 +292,14 @@ class Trainer:
         return pairs[:-n_eval], pairs[-n_eval:]
 
     def _encode(self, pairs, split: str):
-        """Tokenised (ids, prompt_len) that can be split, and the count of the ones too short to split."""
+        """Token sequences ((ids, prompt_len) or (ids, prompt_len, supervised), data/loading.py) that can be split,
+        and the count of the ones too short to split (or with no loss target after the lowest split point)."""
         from slimwise_train.data.loading import encode_all
 
-        encoded = encode_all(self.tokenizer, pairs, self.cfg.data)
-        top = max(max(ids) for ids, _ in encoded)
+        # The assistant turns are looked for unless nothing reads them (every token a target, no split after the prompt)
+        find_turns = str(self.cfg.data.supervise) != "all" or self.rule.after_prompt
+        encoded = encode_all(self.tokenizer, pairs, self.cfg.data, find_turns=find_turns, key="data")
+        top = max(max(sequence[0]) for sequence in encoded)
         if top >= self.vocab_size:
             raise ValueError(
                 f"data split {split!r} has token id {top} but the model's vocabulary has {self.vocab_size} entries; "
@@ -510,7 +512,7 @@ class Trainer:
         plan = B.plan_micro_batches(seqs, splits, self.world_size, self.grad_accum)[self.rank]
         pad = self.tokenizer.pad_token_id
         micro = [B.continuation_batch([seqs[i] for i in mb], [splits[i] for i in mb], pad) for mb in plan]
-        fractions = [s / len(ids) for (ids, _), s in zip(seqs, splits)]  # whole global step: known on every rank
+        fractions = [s / len(sequence[0]) for sequence, s in zip(seqs, splits)]  # whole global step: known on every rank
         return micro, fractions
 
     def _teacher_single_pass(self) -> bool:

@@ -230,6 +230,9 @@ class SlimwiseLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
         add = self.add_bos_token if add_special_tokens is None else add_special_tokens
+        bos = self.tokenizer.bos_token
+        if add_special_tokens is None and bos and string.startswith(bos):
+            add = False  # a chat template that writes its own BOS (as lm-eval's hf model: never two)
         return self.tokenizer(string, add_special_tokens=add)["input_ids"]
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -152,10 +152,13 @@ def collect_statistics(model, batches: Iterable[dict], progress: bool = True, to
 
 def statistics_key(fingerprint: dict, data_cfg, tokenizer) -> str:
     data = {k: data_cfg[k] for k in ("source", "split", "subset", "text_field", "num_samples", "seq_len",
-                                     "chat_template", "seed", "shuffle")}
-    from slimwise_train.data.loading import source_digest
+                                     "chat_template", "seed", "shuffle", "bad_rows")}
+    from slimwise_train.data.loading import RENDERING_VERSION, source_digest, template_of, uses_template
 
     data["source_digest"] = source_digest(str(data_cfg["source"]))  # an edited recipe or local file: recompute
+    # how rows become tokens: the code's version and the chat template's text (an edited template: recompute)
+    template = template_of(tokenizer) if uses_template(tokenizer, data_cfg["chat_template"]) else None
+    data["rendering"] = [RENDERING_VERSION, hashlib.sha256(template.encode()).hexdigest()[:16] if template else None]
     payload = {"model": fingerprint, "data": data, "tokenizer": [type(tokenizer).__name__, len(tokenizer)]}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -197,9 +200,9 @@ def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_k
         log.info("statistics: cache hit %s", cache_file)
         return stats, meta, "cache"
     pairs = load_pairs(cfg.data, key=data_key)  # errors name the user's key (the trainer's is `calibration`)
-    encoded = encode_all(tokenizer, pairs, cfg.data)
+    encoded = encode_all(tokenizer, pairs, cfg.data, find_turns=False, key=data_key)  # every token is scored
     # Refuse before the forward passes, not after: the count is known from the token ids.
-    check_enough_tokens(sum(len(ids) for ids, _ in encoded), int(cfg.prune.min_calibration_tokens),
+    check_enough_tokens(sum(len(sequence[0]) for sequence in encoded), int(cfg.prune.min_calibration_tokens),
                         f"calibration data {cfg.data.source!r}")
     rank, world = du.rank(), du.world_size()
     if len(encoded) < world:
