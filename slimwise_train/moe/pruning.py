@@ -123,7 +123,8 @@ def _expert_slices(model: nn.Module, adapter: MoEAdapter, keep_set: KeepSet) -> 
 
 
 def save_pruned(model: nn.Module, keep_set: KeepSet, folder: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                materialize=None, release=None, drop=None, config_updates: dict | None = None) -> None:
+                materialize=None, release=None, drop=None, config_updates: dict | None = None,
+                progress: bool = False) -> None:
     """What `prune_experts_(copy.deepcopy(model)).save_pretrained(folder)` writes (the same tensor names, dtypes and
     values, config.json and generation_config.json), without the copy: one unit of `export_units` at a time is
     sliced, turned into the checkpoint layout by transformers' `revert_weight_conversion` (save_pretrained's own
@@ -134,6 +135,7 @@ def save_pruned(model: nn.Module, keep_set: KeepSet, folder: str | os.PathLike, 
     layout -> bool) leaves tensors out; config_updates are set on the (text) config written: the hooks a family rule
     (e.g. multi-token-prediction layers an export drops) plugs into. `model` is left as it was."""
     from huggingface_hub.serialization._base import parse_size_to_int
+    from tqdm.auto import tqdm
     from transformers.core_model_loading import revert_weight_conversion
 
     from slimwise_train.moe.checkpoint import PlannedSafetensorsWriter, PlannedTensor
@@ -168,7 +170,7 @@ def save_pruned(model: nn.Module, keep_set: KeepSet, folder: str | os.PathLike, 
     writer = PlannedSafetensorsWriter(folder, planned, parse_size_to_int(max_shard_size)
                                       if isinstance(max_shard_size, str) else int(max_shard_size))
     try:
-        for names in units:
+        for names in tqdm(units, desc="writing the pruned checkpoint", unit="part", disable=not progress):
             if materialize is not None:
                 materialize(names)
             _, saved = unit_tensors(names, meta=False)
@@ -232,7 +234,7 @@ def export_pruned(
 
 def export_pruned_from_checkpoint(checkpoint, keep_set: KeepSet, output_dir: str | os.PathLike, tokenizer=None,
                                   overwrite: bool = False, extra_files: dict[str, dict] | None = None,
-                                  max_shard_size: int | str | None = None) -> Path:
+                                  max_shard_size: int | str | None = None, progress: bool = False) -> Path:
     """`export_pruned` of the model in a `LazyCheckpoint`'s files, read and written one decoder layer at a time (the
     same files, bitwise); output shards at most the source's largest shard unless `max_shard_size`."""
     model = checkpoint.model
@@ -242,6 +244,6 @@ def export_pruned_from_checkpoint(checkpoint, keep_set: KeepSet, output_dir: str
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
         save_pruned(model, keep_set, tmp, max_shard_size=max_shard_size or checkpoint.largest_shard_bytes(),
-                    materialize=checkpoint.materialize, release=checkpoint.release)
+                    materialize=checkpoint.materialize, release=checkpoint.release, progress=progress)
         _save_beside(tmp, keep_set, tokenizer, extra_files)
     return output_dir
