@@ -412,6 +412,10 @@ class PlanAppConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     world_size: int = 8  # ranks (GPUs) the run is spread over
     gpu_memory_gib: float = 80.0  # memory per GPU the plan must fit in
+    # The prune plan (plan/prune.py): the host's memory, and the prune app's sequences per calibration batch (the
+    # presets' data.batch_size; data.num_samples and data.seq_len give the rest of the calibration set)
+    host_memory_gib: float = 256.0
+    calibration_batch_size: int = 4
     device: Annotated[str, PlanDevice] = "cuda"  # cuda: bf16 on GPUs | cpu: fp32, to compare with `python -m slimwise_train.bench memory`
     # The micro-batch's prefix and continuation widths; null: the split rule's worst case (a min_split-token prefix,
     # data.seq_len - min_split continuation tokens).

@@ -123,17 +123,20 @@ def _expert_slices(model: nn.Module, adapter: MoEAdapter, keep_set: KeepSet) -> 
 
 
 def save_pruned(model: nn.Module, keep_set: KeepSet, folder: str | os.PathLike, *, max_shard_size: int | str = "5GB",
-                materialize=None, release=None, drop=None, config_updates: dict | None = None,
-                progress: bool = False) -> None:
+                checkpoint=None, drop=None, config_updates: dict | None = None, progress: bool = False) -> None:
     """What `prune_experts_(copy.deepcopy(model)).save_pretrained(folder)` writes (the same tensor names, dtypes and
     values, config.json and generation_config.json), without the copy: one unit of `export_units` at a time is
     sliced, turned into the checkpoint layout by transformers' `revert_weight_conversion` (save_pretrained's own
     step) and written (`PlannedSafetensorsWriter`: shards planned from meta tensors first, so no shard is buffered).
 
-    materialize / release (a `LazyCheckpoint`'s): load each unit before it is written and free it after, so a model
-    that lives in its checkpoint's files is exported holding one decoder layer. drop (a state-dict name in the saved
-    layout -> bool) leaves tensors out; config_updates are set on the (text) config written: the hooks a family rule
-    (e.g. multi-token-prediction layers an export drops) plugs into. `model` is left as it was."""
+    checkpoint: the `LazyCheckpoint` whose meta-device skeleton `model` is; the export then reads the files. Each
+    unit is split into the groups transformers converts together; a group whose checkpoint keys are exactly the
+    names save_pretrained gives the unpruned group (the layout a save_pretrained checkpoint has) is written by copying
+    the kept experts' tensors one by one (read, cast to the model's dtype, renamed: loading fuses per-expert tensors
+    and saving splits them again, so that is the same bytes), any other group is loaded (`materialize`), sliced,
+    reverted and released. drop (a name in the saved layout -> bool) leaves tensors out; config_updates are set on
+    the (text) config written: the hooks a family rule (e.g. multi-token-prediction layers an export drops) plugs
+    into. `model` is left as it was."""
     from huggingface_hub.serialization._base import parse_size_to_int
     from tqdm.auto import tqdm
     from transformers.core_model_loading import revert_weight_conversion
@@ -146,42 +149,91 @@ def save_pruned(model: nn.Module, keep_set: KeepSet, folder: str | os.PathLike, 
     slices = _expert_slices(model, adapter, keep_set)
     buffers = {name for name, _ in model.named_buffers()}
     units = export_units(model)
+    if checkpoint is not None:
+        units = [group for unit in units for group in checkpoint.load_groups(unit)]
 
-    def unit_tensors(names: list[str], meta: bool) -> tuple[dict, dict]:
+    def chunk_of(names: list[str], meta: bool, sliced: bool = True) -> dict:
         state = model.state_dict()
         chunk = {}
         for name in names:
             tensor = state[name]
             if meta and tensor.device.type != "meta":
                 tensor = torch.empty_like(tensor, device="meta")
-            if name in slices:
+            if sliced and name in slices:
                 dim, kept, pad_value = slices[name]
                 tensor = slice_experts(tensor, dim, kept, pad_to, pad_value)
             chunk[name] = tensor
-        saved = revert_weight_conversion(model, chunk)
-        return chunk, {k: v for k, v in saved.items() if not (drop and drop(k))}
+        return chunk
 
-    planned, parameters = [], 0
+    planned, parameters, copies = [], 0, []
     for names in units:  # the layout, from meta tensors: nothing is read or allocated
-        chunk, saved = unit_tensors(names, meta=True)
+        chunk = chunk_of(names, meta=True)
         parameters += sum(t.numel() for name, t in chunk.items() if name not in buffers)
-        planned += [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in saved.items()]
+        saved = revert_weight_conversion(model, chunk)
+        planned += [PlannedTensor(name, t.dtype, tuple(t.shape)) for name, t in saved.items() if not (drop and drop(name))]
+        copies.append(_copy_plan(checkpoint, model, names, chunk_of(names, meta=True, sliced=False), saved, slices,
+                                 pad_to) if checkpoint is not None else None)
     _save_pruned_config(model, adapter, keep_set, folder, pad_to, config_updates)
     writer = PlannedSafetensorsWriter(folder, planned, parse_size_to_int(max_shard_size)
                                       if isinstance(max_shard_size, str) else int(max_shard_size))
+    dtypes, shapes = {t.name: t.dtype for t in planned}, {t.name: t.shape for t in planned}
     try:
-        for names in tqdm(units, desc="writing the pruned checkpoint", unit="part", disable=not progress):
-            if materialize is not None:
-                materialize(names)
-            _, saved = unit_tensors(names, meta=False)
-            for name, tensor in saved.items():
-                writer.write(name, tensor)
-            del saved
-            if release is not None:
-                release(names)
+        for names, copy_plan in tqdm(list(zip(units, copies)), desc="writing the pruned checkpoint", unit="part",
+                                     disable=not progress):
+            if copy_plan is not None:  # one checkpoint tensor in memory at a time
+                entries = [(name, source, pad) for name, source, pad in copy_plan if not (drop and drop(name))]
+                tensors = checkpoint.read_tensors([source for _, source, _ in entries if source is not None])
+                for name, source, pad_value in entries:
+                    tensor = next(tensors) if source is not None else torch.full(shapes[name], pad_value)
+                    writer.write(name, tensor.to(dtypes[name]))
+                    del tensor
+                continue
+            if checkpoint is not None:
+                checkpoint.materialize(names)
+            saved = revert_weight_conversion(model, chunk_of(names, meta=False))
+            for name in list(saved):
+                tensor = saved.pop(name)  # each tensor freed once written
+                if not (drop and drop(name)):
+                    writer.write(name, tensor)
+            if checkpoint is not None:
+                checkpoint.release(names)
         writer.close(parameters)
     finally:
         writer.abort()
+
+
+def _copy_plan(checkpoint, model, names: list[str], full: dict, saved: dict, slices: dict, pad_to: int | None):
+    """[(saved name, checkpoint key or None for a padded expert, pad value)] when the group `names` can be written by
+    copying checkpoint tensors (see `save_pruned`), else None. full: the group's meta tensors unsliced; saved: the
+    sliced group reverted to the saved layout (meta)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    keys = {key for name in names for _, key in checkpoint.plan.sources.get(name, ())}
+    unpruned = list(revert_weight_conversion(model, full))
+    if set(unpruned) != keys or len(unpruned) != len(keys):
+        return None  # the checkpoint stores this group in another layout than save_pretrained writes
+    pruned = list(saved)
+    sliced = [name for name in names if name in slices]
+    if not sliced:
+        return [(name, name, 0.0) for name in pruned] if pruned == unpruned else None
+    if len(sliced) != 1 or slices[sliced[0]][0] != 0:
+        return None
+    experts = full[sliced[0]].shape[0]
+    _, kept, pad_value = slices[sliced[0]]
+    kept = kept.tolist()
+    out = pad_to if pad_to is not None else len(kept)
+    if len(unpruned) % experts or len(pruned) != len(unpruned) // experts * out:
+        return None  # not one saved tensor per expert
+    plan = []
+    for block in range(len(unpruned) // experts):
+        for i in range(out):
+            # The same expert number keeps its name (experts.3 -> experts.3): the blocks line up, or this is
+            # not a per-expert layout.
+            if i < experts and unpruned[block * experts + i] != pruned[block * out + i]:
+                return None
+            source = unpruned[block * experts + kept[i]] if i < len(kept) else None
+            plan.append((pruned[block * out + i], source, pad_value))
+    return plan
 
 
 def _save_pruned_config(model, adapter: MoEAdapter, keep_set: KeepSet, folder: Path, pad_to: int | None,
@@ -244,6 +296,6 @@ def export_pruned_from_checkpoint(checkpoint, keep_set: KeepSet, output_dir: str
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
         save_pruned(model, keep_set, tmp, max_shard_size=max_shard_size or checkpoint.largest_shard_bytes(),
-                    materialize=checkpoint.materialize, release=checkpoint.release, progress=progress)
+                    checkpoint=checkpoint, progress=progress)
         _save_beside(tmp, keep_set, tokenizer, extra_files)
     return output_dir
