@@ -10,15 +10,20 @@ vocabulary, E experts, K top-k, I the routed experts' intermediate size.
                           the experts under the statistics backend (every token's K choices: the repeated input,
                           gate_up, the activation, the unweighted outputs: T K (2 H + 3 I) s), the router's fp32
                           probabilities twice (T E 8) and the recorder's float64 copy on the host
+  loading a layer         transformers stacks per-expert checkpoint tensors into one: the largest expert tensor once
+                          more while it does (checkpoints that store one tensor per expert)
   whole (one device)      every weight + the largest layer's forward; the host holds the framework only (from_pretrained
-                          loads onto the GPU); on CPU the host holds it all
+                          loads onto the GPU); on CPU the host holds it all, plus the per-expert tensors the load fused,
+                          which glibc keeps (1x the expert bytes, as the distillation plan counts them)
   whole over the GPUs     model.device_map=auto: the weights / world_size + one layer's forward, per GPU
   layerwise               device: max(the embeddings + the first layer's input, the largest layer + its forward), plus
                           the hidden states and the recorded masks if prune.calibration.hidden_states=device; host:
                           the hidden states of every calibration token (N S H s) and the recorded 4D masks (N S^2
                           bytes per attention kind that needs one, worst case: every batch padded), the layer being
                           read (its pages while it is copied to the device)
-  export (streamed)       host: one decoder layer read + its kept experts sliced (the writer holds no tensor)
+  export (streamed)       host: one checkpoint tensor at a time where experts are stored one tensor per expert (the
+                          largest: the embeddings); where they are stored fused, the largest expert tensor and its
+                          kept slice (the writer holds no tensor)
 Weights and per-token terms are exact counts of the meta model; the framework baselines are the planner's (CPU: the
 measured B; GPU: an estimate), so on a GPU the totals are estimates until a GPU run is recorded (docs/scale.md).
 """
@@ -77,7 +82,11 @@ def plan_prune(arch: Architecture, *, s: int, device: str, num_samples: int, seq
     hidden_all = num_samples * seq_len * arch.hidden * s
     masks = num_samples * seq_len * seq_len * _mask_kinds(arch)
     kept = arch.kept_expert_params / max(arch.expert_params, 1)
-    largest_experts = max([layer.expert_params * s for layer in arch.layers if layer.moe] or [0])
+    fused_tensor = arch.largest_expert_tensor_params * s
+    loading = fused_tensor if arch.experts_stored_per_expert else 0  # the per-expert tensors being stacked
+    export = (max(arch.largest_other_module_params * s, fused_tensor / max(arch.layers[0].experts or 1, 1))
+              if arch.experts_stored_per_expert else
+              max(arch.largest_other_module_params * s, fused_tensor * (1 + kept)))
     host_forward = tokens * max(layer.experts for layer in arch.layers if layer.moe) * 8  # the float64 copy
     gpu, host = device != "cpu", host_baseline
     plans = {}
@@ -85,17 +94,19 @@ def plan_prune(arch: Architecture, *, s: int, device: str, num_samples: int, seq
         plans["whole"] = {"gpu_bytes": gpu_baseline + model + forward, "host_bytes": host + host_forward}
         plans["whole_device_map"] = {"gpu_bytes": gpu_baseline + model / world + forward, "gpus": world,
                                      "host_bytes": host + host_forward}
-        layer_peak = max(embeddings + 2 * first_input, largest_layer + forward)
+        layer_peak = max(embeddings + 2 * first_input, largest_layer + max(forward, loading))
         plans["layerwise_hidden_on_host"] = {"gpu_bytes": gpu_baseline + layer_peak,
                                              "host_bytes": host + hidden_all + masks + largest_layer + host_forward}
         plans["layerwise_hidden_on_device"] = {"gpu_bytes": gpu_baseline + layer_peak + hidden_all + masks,
                                                "host_bytes": host + largest_layer + host_forward}
     else:
-        plans["whole"] = {"gpu_bytes": 0, "host_bytes": host + model + forward + host_forward}
+        retained = arch.expert_params * s if arch.experts_stored_per_expert else 0
+        plans["whole"] = {"gpu_bytes": 0, "host_bytes": host + model + retained + forward + host_forward}
         plans["layerwise_hidden_on_host"] = {
             "gpu_bytes": 0, "host_bytes": host + hidden_all + masks + max(embeddings + 2 * first_input,
-                                                                          largest_layer + forward) + host_forward}
-    plans["export_streamed"] = {"gpu_bytes": 0, "host_bytes": host + largest_layer + int(kept * largest_experts)}
+                                                                          largest_layer + max(forward, loading))
+            + host_forward}
+    plans["export_streamed"] = {"gpu_bytes": 0, "host_bytes": host + int(export)}
     for line in plans.values():
         line["gpu_bytes"], line["host_bytes"] = int(line["gpu_bytes"]), int(line["host_bytes"])
         line["fits"] = line["gpu_bytes"] <= gpu_memory_gib * GIB and line["host_bytes"] <= host_memory_gib * GIB
