@@ -218,6 +218,15 @@ def test_a_shard_that_disagrees_with_the_index_is_one_line(tmp_path, tiny_checkp
     assert not (tmp_path / "out").exists()
 
 
+def test_a_truncated_shard_is_one_line(tmp_path, tiny_checkpoint):
+    folder = _copy(tiny_checkpoint("qwen2_moe"), tmp_path)
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ValueError, match=rf"shard {shard.name} is truncated or corrupt .*; copy the checkpoint again$"):
+        run_prune(_prune_cfg(tmp_path, folder, "out", "prune.calibration.mode=layerwise"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_missing_shard_is_one_line(tmp_path, tiny_checkpoint):
     folder = _copy(tiny_checkpoint("olmoe"), tmp_path)
     shard = sorted(folder.glob("model-*.safetensors"))[1]

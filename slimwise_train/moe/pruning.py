@@ -141,7 +141,7 @@ def save_pruned(model: nn.Module, keep_set: KeepSet, folder: str | os.PathLike, 
     from tqdm.auto import tqdm
     from transformers.core_model_loading import revert_weight_conversion
 
-    from slimwise_train.moe.checkpoint import PlannedSafetensorsWriter, PlannedTensor
+    from slimwise_train.moe.checkpoint import PlannedSafetensorsWriter, PlannedTensor, return_freed_memory
 
     folder = Path(folder)
     adapter = get_adapter(model)
@@ -195,8 +195,10 @@ def save_pruned(model: nn.Module, keep_set: KeepSet, folder: str | os.PathLike, 
                 tensor = saved.pop(name)  # each tensor freed once written
                 if not (drop and drop(name)):
                     writer.write(name, tensor)
+                tensor = None
             if checkpoint is not None:
                 checkpoint.release(names)
+            return_freed_memory()  # the slices went: their heap pages too, before the next unit's
         writer.close(parameters)
     finally:
         writer.abort()
@@ -286,9 +288,11 @@ def export_pruned(
 
 def export_pruned_from_checkpoint(checkpoint, keep_set: KeepSet, output_dir: str | os.PathLike, tokenizer=None,
                                   overwrite: bool = False, extra_files: dict[str, dict] | None = None,
-                                  max_shard_size: int | str | None = None, progress: bool = False) -> Path:
-    """`export_pruned` of the model in a `LazyCheckpoint`'s files, read and written one decoder layer at a time (the
-    same files, bitwise); output shards at most the source's largest shard unless `max_shard_size`."""
+                                  max_shard_size: int | str | None = None, progress: bool = False, drop=None,
+                                  config_updates: dict | None = None) -> Path:
+    """`export_pruned` of the model in a `LazyCheckpoint`'s files, read and written a tensor (or a conversion group)
+    at a time: the same files, bitwise. Output shards at most the source's largest shard unless `max_shard_size`;
+    drop / config_updates: `save_pruned`'s hooks for a family rule."""
     model = checkpoint.model
     adapter = get_adapter(model)
     keep_set.check_model(model, adapter)
@@ -296,6 +300,6 @@ def export_pruned_from_checkpoint(checkpoint, keep_set: KeepSet, output_dir: str
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
         save_pruned(model, keep_set, tmp, max_shard_size=max_shard_size or checkpoint.largest_shard_bytes(),
-                    checkpoint=checkpoint, progress=progress)
+                    checkpoint=checkpoint, progress=progress, drop=drop, config_updates=config_updates)
         _save_beside(tmp, keep_set, tokenizer, extra_files)
     return output_dir

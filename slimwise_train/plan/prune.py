@@ -84,10 +84,11 @@ def plan_prune(arch: Architecture, *, s: int, device: str, num_samples: int, seq
     kept = arch.kept_expert_params / max(arch.expert_params, 1)
     fused_tensor = arch.largest_expert_tensor_params * s
     loading = fused_tensor if arch.experts_stored_per_expert else 0  # the per-expert tensors being stacked
-    export = (max(arch.largest_other_module_params * s, fused_tensor / max(arch.layers[0].experts or 1, 1))
+    experts = max(layer.experts for layer in arch.layers if layer.moe)
+    export = (max(arch.largest_other_module_params * s, fused_tensor / experts)
               if arch.experts_stored_per_expert else
               max(arch.largest_other_module_params * s, fused_tensor * (1 + kept)))
-    host_forward = tokens * max(layer.experts for layer in arch.layers if layer.moe) * 8  # the float64 copy
+    host_forward = tokens * experts * 8  # the recorder's float64 copy of the router probabilities
     gpu, host = device != "cpu", host_baseline
     plans = {}
     if gpu:

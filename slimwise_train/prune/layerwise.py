@@ -158,6 +158,15 @@ def _to(obj, device, moved: dict | None = None):
     return obj
 
 
+def _buffers_to(modules, device) -> None:
+    """Move the non-persistent buffers (rotary tables, scales: never in a checkpoint, so never materialized) of
+    `modules` to the device their layer runs on."""
+    for module in modules:
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.device.type != "meta" and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
 def _decoder_prologue_targets(checkpoint) -> list[str]:
     """State-dict names the model's forward reads before its first decoder layer: every tensor of the decoder
     outside its layers (embeddings, per-layer-input tables; the final norm, cheap) and the input embeddings."""
@@ -182,6 +191,8 @@ def capture_layer_inputs(checkpoint, batches: list[dict], device, keep_on) -> tu
     layers = list(get_adapter(model).decoder_layers(model))
     prologue = _decoder_prologue_targets(checkpoint)
     checkpoint.materialize(prologue, device)
+    in_layers = {id(m) for layer in layers for m in layer.modules()}
+    _buffers_to([m for m in model.modules() if id(m) not in in_layers], torch.device(device))
     first_inputs, arguments = [], []
     try:
         for batch in batches:
@@ -305,6 +316,9 @@ def collect_statistics_layerwise(checkpoint, batches, *, device, hidden_states: 
             "batch_shapes": [list(b["input_ids"].shape) for b in batches]}
     stats = ExpertStatistics.empty(meta["layer_indices"], meta["num_experts"], meta["top_k"])
 
+    if du.is_rank0():
+        log.info("layerwise calibration: %d decoder layers, one at a time on %s, %d batches' hidden states on %s",
+                 len(layers), device, len(batches), keep_on)
     first_inputs, arguments = capture_layer_inputs(checkpoint, batches, device, keep_on)
     hidden, start = first_inputs, 0
     resume_dir = Path(resume_dir) if resume_dir is not None and resume_every > 0 else None
@@ -326,6 +340,7 @@ def collect_statistics_layerwise(checkpoint, batches, *, device, hidden_states: 
             targets = checkpoint.layer_targets(index)
             checkpoint.materialize(targets, device)
             layer = layers[index]
+            _buffers_to(layer.modules(), device)
             for b, calls in enumerate(arguments):
                 args, kwargs = calls[index]
                 recorder.token_mask = masks[b].to(device)
