@@ -14,8 +14,8 @@ checkpoint keys that feed it: the per-expert tensors a hub checkpoint stores are
 here knows a family: decoder layers come from the adapter, keys from transformers' conversion mapping.
 
 `PlannedSafetensorsWriter` writes shards whose every tensor name, dtype and shape is known in advance (from meta
-tensors), header first, each tensor's bytes as it arrives: the writer itself holds no tensor, so an export holds one
-unit (a decoder layer) at a time, never a shard's worth.
+tensors), header first, each tensor's bytes as it arrives: the writer itself holds no tensor, so an export holds what
+it is writing (a tensor, a conversion group or a decoder layer: moe/pruning.save_pruned), never a shard's worth.
 """
 
 from __future__ import annotations
@@ -163,7 +163,12 @@ class LazyCheckpoint:
         self.folder = Path(folder)
         self.what = what
         self.shards = checkpoint_shards(self.folder, what)
-        config = AutoConfig.from_pretrained(self.folder)
+        try:
+            config = AutoConfig.from_pretrained(self.folder)
+        except (OSError, ValueError, KeyError) as exc:
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise ValueError(f"{what}={self.folder}: cannot read its config.json ({first[:200]}); copy the checkpoint "
+                             "again") from None
         if type(config) not in AutoModelForCausalLM._model_mapping:
             raise ValueError(f"{what}={self.folder}: model_type {config.model_type!r} has no stock causal-LM class in "
                              "transformers (remote code); layer-by-layer reading needs a stock class")
