@@ -69,7 +69,8 @@ def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=Non
     from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
 
     validate_prune_config(cfg.prune)
-    layerwise = cfg.prune.calibration.mode == "layerwise"
+    calibration = cfg.prune.get("calibration")  # absent from configs saved before it existed
+    layerwise = calibration is not None and calibration.mode == "layerwise"
     if layerwise and checkpoint is None:
         raise ValueError("prune.calibration.mode=layerwise is the prune app's (python -m slimwise_train.prune): the "
                          "trainer scores the model it holds; drop it, or prune first and pass prune.keep_set")
