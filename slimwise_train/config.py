@@ -39,6 +39,11 @@ Recompute = Literal["none", "moe", "layer"]
 PrefixFrom = Literal["teacher", "student"]
 # prune.scope: layer = the same count per layer | global = one ranking over all layers, >= top_k kept per layer.
 PruneScope = Literal["layer", "global"]
+# prune.calibration.mode: whole = the model loaded whole, one forward per batch | layerwise = one decoder layer at a time
+# read from model.path's safetensors files, every batch through it, then the next (prune/layerwise.py).
+CalibrationMode = Literal["whole", "layerwise"]
+# prune.calibration.hidden_states (layerwise): where the batches' hidden states wait between layers.
+HiddenStatesPlace = Literal["cpu", "device"]
 # engine.name: torch (single process / DDP) | zero1 | zero2 | zero3 (DeepSpeed); the ZeRO stage is its position.
 EngineName = Literal["torch", "zero1", "zero2", "zero3"]
 # The one mapping engine name -> ZeRO stage (distill/engine.py and plan/memory.py read it; `zero_stage` below).
@@ -115,6 +120,22 @@ class DataConfig:
 
 
 @dataclass
+class CalibrationConfig:
+    """prune.calibration: how the prune app runs the calibration batches (docs/scale.md, 'Pruning models that do not
+    fit'). The statistics, their cache and the scores are the same in both modes."""
+
+    # whole: the model loaded whole (model.device_map too) | layerwise: one decoder layer at a time from model.path's
+    # safetensors files (a local folder), every batch through it, then the next; the export streams from the files
+    mode: Annotated[str, CalibrationMode] = "whole"
+    # layerwise: where the batches' hidden states wait between layers, in the model's dtype (cpu: host memory, the
+    # layer alone on the GPU | device: beside the layer, no transfers)
+    hidden_states: Annotated[str, HiddenStatesPlace] = "cpu"
+    # layerwise: write a resume point (the statistics so far and the hidden states) after every this many layers; a
+    # rerun after a crash continues from the last one; 0: never
+    resume_every: int = 1
+
+
+@dataclass
 class PruneConfig:
     # a name in prune/criteria.py's CRITERIA (frequency | mass | mass_routed | ean | reap), checked before anything
     # loads; the registry is the one list, so a new criterion is one function there
@@ -130,6 +151,7 @@ class PruneConfig:
     min_calibration_tokens: int = 1024
     export_checkpoint: bool = False  # write the physically pruned HF checkpoint (decode instance)
     export_mask: bool = True  # write router_mask.safetensors (co-located serving)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
 @dataclass
@@ -345,6 +367,7 @@ class PruneAppConfig:
     output_dir: str = MISSING
     device: str = "auto"
     progress: bool = True
+    extra: dict = field(default_factory=dict)  # test faults (testing/faults.py): kill_after_layer
 
 
 @dataclass
@@ -406,6 +429,10 @@ class PlanAppConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     world_size: int = 8  # ranks (GPUs) the run is spread over
     gpu_memory_gib: float = 80.0  # memory per GPU the plan must fit in
+    # The prune plan (plan/prune.py): the host's memory, and the prune app's sequences per calibration batch (the
+    # presets' data.batch_size; data.num_samples and data.seq_len give the rest of the calibration set)
+    host_memory_gib: float = 256.0
+    calibration_batch_size: int = 4
     device: Annotated[str, PlanDevice] = "cuda"  # cuda: bf16 on GPUs | cpu: fp32, to compare with `python -m slimwise_train.bench memory`
     # The micro-batch's prefix and continuation widths; null: the split rule's worst case (a min_split-token prefix,
     # data.seq_len - min_split continuation tokens).

@@ -51,3 +51,35 @@ def chat_tokenizer_dir_no_markers(tmp_path_factory):
     from helpers import write_chat_tokenizer
 
     return write_chat_tokenizer(tmp_path_factory.mktemp("chat_tokenizer_no_markers"), generation_markers=False)
+
+
+# Saved tiny checkpoints, one per family, for the tests that read a checkpoint's files (layerwise calibration, the
+# streamed export): written once per session, sharded into several small files so shard handling is exercised.
+# DeepSeek-V3 gets a dense first layer (first_k_dense_replace=1), as the real model has three.
+TINY_CHECKPOINT_OVERRIDES = {"deepseek_v3": dict(num_hidden_layers=3, first_k_dense_replace=1)}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(model_type) -> a folder with the tiny model of that family (the shipped tokenizer's vocabulary,
+    saved with save_pretrained in 50 KB shards) and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    from slimwise_train.models import SHIPPED_TOKENIZER
+    from slimwise_train.testing.tiny import tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    tokenizer = AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER))
+    saved: dict = {}
+
+    def folder(model_type: str):
+        if model_type not in saved:
+            model = tiny_model(model_type, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id, **TINY_CHECKPOINT_OVERRIDES.get(model_type, {}))
+            path = root / model_type
+            model.save_pretrained(path, max_shard_size="50KB")
+            tokenizer.save_pretrained(path)
+            saved[model_type] = path
+        return saved[model_type]
+
+    return folder

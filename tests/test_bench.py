@@ -22,13 +22,13 @@ TINY = {
 }
 
 
-# memory and lm_eval launch subprocesses on saved checkpoints: their own tests (below, tests/test_lm_eval.py)
+# memory, prune and lm_eval launch subprocesses on saved checkpoints: their own tests (below, tests/test_lm_eval.py)
 # loss and train measure memory in a `python -c` child each, engine runs llama-server: those three are marked.
 SPAWNING_BENCHES = ("engine", "loss", "train")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.subprocess) if n in SPAWNING_BENCHES else n
-                                  for n in sorted(n for n in BENCHES if n not in ("memory", "lm_eval"))])
+                                  for n in sorted(n for n in BENCHES if n not in ("memory", "prune", "lm_eval"))])
 def test_bench_subcommand_prints_one_json_line(name, capsys):
     assert main([name, *TINY[name]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -164,6 +164,27 @@ def test_bench_memory_reports_every_rank_and_the_targets(capsys):
     summary = lines[-1]
     assert summary["bench"] == "memory" and isinstance(summary["targets_met"], bool)
     assert len(summary["targets"]) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess  # a fresh process per variant (bench/prune.py)
+def test_bench_prune_reports_each_variant_and_the_targets(capsys):
+    """A small checkpoint (the real run is ~240M parameters): one line per variant, each peak at or above its
+    process's baseline, and the targets computed from them. Whether they are met is the real run's finding
+    (docs/scale.md): at this size the modules a job imports on its way outweigh the model."""
+    small = ["--hidden", "64", "--layers", "3", "--experts", "8", "--top-k", "2", "--moe-intermediate", "64",
+             "--vocab", "1024", "--shard-mb", "1", "--samples", "40", "--seq-len", "64",
+             "--variants", "calibrate_whole,calibrate_layerwise,export_streamed"]
+    assert main(["prune", *small]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines() if line.startswith('{"bench"')]
+    variants = {line["variant"]: line for line in lines if "variant" in line}
+    assert sorted(variants) == ["calibrate_layerwise", "calibrate_whole", "export_streamed"]
+    for line in variants.values():
+        assert 0 < line["baseline"] <= line["peak"]
+    summary = lines[-1]
+    assert summary["bench"] == "prune" and summary["ratio"] > 0
+    assert len(summary["targets"]) == 2 and summary["targets_met"] == all(summary["targets"].values())
+    assert summary["largest_shard_mib"] <= 1.0 and summary["largest_layer_mib"] > 0
 
 
 def test_the_demo_gives_the_cost_of_a_shared_expert_as_a_number(tmp_path):

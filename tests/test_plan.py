@@ -198,3 +198,48 @@ def test_plan_matches_the_bench_memory_step_peaks():
         assert abs(line["relative_error_total"]) <= 0.20, line
         assert abs(line["relative_error_beyond_baseline"]) <= 0.30, line
         assert line["planned_components_mib"]["logits_and_loss"] > 90  # 3 x [2, 127, 32768] fp32 + the loss block
+
+
+PRUNE_PRESETS = ("qwen3_5_moe_35b_a3b", "qwen3_moe_30b_a3b", "deepseek_v3", "gpt_oss_20b", "gemma4_26b_a4b")
+
+
+@pytest.mark.parametrize("preset", PRUNE_PRESETS)
+def test_prune_plan_compares_whole_and_layerwise_calibration_and_the_export(preset, capsys):
+    """The prune section (plan/prune.py) of the real presets on one 80 GiB GPU and a 256 GiB host: whole-model
+    calibration holds every weight on the GPU, layerwise the largest layer; the hidden states move between host and
+    device with prune.calibration.hidden_states; `use` is the first mode that fits, in the order of the table."""
+    line = run_plan(_cfg(f"model={preset}", "gpu_memory_gib=80", "host_memory_gib=256", "world_size=8"))
+    table = capsys.readouterr().out
+    prune, arch = line["prune"], line["architecture"]
+    calibration, terms = prune["calibration"], prune["terms"]
+    assert terms["model_bytes"] == arch["frozen_params"] * 2  # bf16
+    assert terms["calibration_tokens"] == 1024 * 2048 and terms["batch_tokens"] == 4 * 2048  # the presets' data
+    whole, host, device = (calibration[k] for k in ("whole", "layerwise_hidden_on_host", "layerwise_hidden_on_device"))
+    assert whole["gpu_bytes"] > terms["model_bytes"] > 5 * host["gpu_bytes"] > 0
+    assert host["gpu_bytes"] >= terms["largest_layer_bytes"] + terms["layer_forward_bytes"]
+    moved = terms["hidden_states_bytes"] + terms["recorded_masks_bytes"]
+    assert device["gpu_bytes"] - host["gpu_bytes"] == moved and host["host_bytes"] - device["host_bytes"] == moved
+    assert calibration["whole_device_map"]["gpu_bytes"] < whole["gpu_bytes"]
+    for mode in calibration.values():
+        assert mode["fits"] == (mode["gpu_bytes"] <= 80 * GIB and mode["host_bytes"] <= 256 * GIB)
+    assert 0 < prune["export_streamed"]["host_bytes"] < terms["largest_layer_bytes"] + 2 * GIB
+    fitting = [mode for mode in ("whole", "whole_device_map", "layerwise_hidden_on_device",
+                                 "layerwise_hidden_on_host") if calibration[mode]["fits"]]
+    assert prune["use"] == fitting[0]
+    assert f"use: {prune['use']}" in table and "layerwise_hidden_on_host" in table
+
+
+def test_a_model_bigger_than_the_node_is_planned_layerwise():
+    """DeepSeek-V3 in bf16 (1.25 TiB) fits neither one 80 GiB GPU nor eight: layer by layer it does."""
+    prune = plan_from_config(_cfg("model=deepseek_v3", "gpu_memory_gib=80", "host_memory_gib=256")).prune
+    assert not prune["calibration"]["whole"]["fits"] and not prune["calibration"]["whole_device_map"]["fits"]
+    assert prune["use"].startswith("layerwise") and "prune.calibration.mode=layerwise" in prune["use_overrides"]
+
+
+@pytest.mark.parametrize("override,message", [
+    ("host_memory_gib=0", "host_memory_gib=0.0 is invalid"),
+    ("calibration_batch_size=0", "calibration_batch_size=0 is invalid"),
+])
+def test_bad_prune_plan_keys_are_one_line(override, message):
+    with pytest.raises(ValueError, match=message):
+        plan_from_config(_cfg("model=qwen3_moe_30b_a3b", override))

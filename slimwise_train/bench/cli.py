@@ -14,6 +14,8 @@ from slimwise_train.bench.loss import run_loss
 from slimwise_train.bench.memory import ENGINES as MEMORY_ENGINES
 from slimwise_train.bench.memory import run_memory
 from slimwise_train.bench.phase import run_phase
+from slimwise_train.bench.prune import VARIANTS as PRUNE_VARIANTS
+from slimwise_train.bench.prune import run_prune_bench
 from slimwise_train.bench.train import run_train
 
 USAGE = """`python -m slimwise_train.bench <name>`: side-by-side benchmarks that print one JSON line each.
@@ -27,14 +29,16 @@ noisy shared machine; absolute times are printed too and become meaningful on a 
     python -m slimwise_train.bench decode     # decode step: full vs masked vs pruned pools, batch 1..64
     python -m slimwise_train.bench train      # distillation step vs a naive two-copy step and the lower bound
     python -m slimwise_train.bench memory     # per-rank memory of the trainer on a saved checkpoint, per engine
+    python -m slimwise_train.bench prune      # peak RSS of pruning a saved checkpoint: whole vs layerwise, exports
     python -m slimwise_train.bench lm_eval    # lm-eval's slimwise model vs the eval app: same cells, wall-time ratio
     python -m slimwise_train.bench engine     # llama.cpp decode/prefill: full vs pruned, beside this machine's roofline
 
-`memory` launches torchrun itself (2 ranks) and prints one JSON line per engine, then its targets.
+`memory` launches torchrun itself (2 ranks) and prints one JSON line per engine, then its targets; `prune` one fresh
+process per variant, one JSON line each, then its targets.
 """
 
 BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train,
-           "memory": run_memory, "lm_eval": run_lm_eval_bench, "engine": run_engine}
+           "memory": run_memory, "lm_eval": run_lm_eval_bench, "engine": run_engine, "prune": run_prune_bench}
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +107,19 @@ def main(argv=None) -> int:
     memory.add_argument("--nproc", type=int, default=2)
     memory.add_argument("--engines", default="torch,zero2,zero3,zero3_recompute",
                         help=f"comma-separated, of {', '.join(MEMORY_ENGINES)}")
+    prune = sub.add_parser("prune", help="peak RSS of pruning a saved checkpoint: whole model vs layer by layer, "
+                           "and the exports (deep copy, from memory, streamed from the files); a process each")
+    prune.add_argument("--hidden", type=int, default=512)
+    prune.add_argument("--layers", type=int, default=8)
+    prune.add_argument("--experts", type=int, default=32)
+    prune.add_argument("--top-k", type=int, default=4)
+    prune.add_argument("--moe-intermediate", type=int, default=512)
+    prune.add_argument("--vocab", type=int, default=32768)
+    prune.add_argument("--shard-mb", type=int, default=100, help="the saved checkpoint's shard size in MB")
+    prune.add_argument("--samples", type=int, default=64, help="calibration sequences")
+    prune.add_argument("--seq-len", type=int, default=256)
+    prune.add_argument("--batch", type=int, default=8)
+    prune.add_argument("--variants", default=",".join(PRUNE_VARIANTS), help=f"comma-separated, of {', '.join(PRUNE_VARIANTS)}")
     train = sub.add_parser("train", help="distillation step: ours vs naive two-copy step vs lower bound; memory")
     _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
                 repeats=3)

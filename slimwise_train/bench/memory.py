@@ -39,8 +39,9 @@ ENGINES = {  # name -> overrides
 }
 
 
-def _checkpoint(args) -> tuple[Path, Path, int]:
-    """(checkpoint folder, keep set, model bytes); built once per shape."""
+def _checkpoint(args, max_shard_size: str | None = None) -> tuple[Path, Path, int]:
+    """(checkpoint folder, keep set, model bytes); built once per shape (and shard size: `bench prune` saves it in
+    shards, save_pretrained's default writes one file)."""
     import torch
 
     from slimwise_train.models import SHIPPED_TOKENIZER
@@ -53,6 +54,7 @@ def _checkpoint(args) -> tuple[Path, Path, int]:
                  intermediate_size=4 * args.hidden, num_attention_heads=8, num_key_value_heads=4,
                  head_dim=args.hidden // 8, max_position_embeddings=4096)
     key = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
+    key += f"-shards{max_shard_size}" if max_shard_size else ""
     root = REPO / ".cache" / "slimwise" / "bench_memory" / key
     folder, keep_path = root / "model", root / "keep_set.json"
     config = tiny_config("qwen3_moe", **shape)
@@ -65,7 +67,7 @@ def _checkpoint(args) -> tuple[Path, Path, int]:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with atomic_dir(folder, overwrite=True) as tmp:
-            model.save_pretrained(tmp)
+            model.save_pretrained(tmp, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
             AutoTokenizer.from_pretrained(str(SHIPPED_TOKENIZER)).save_pretrained(tmp)
         del model
     with torch.device("meta"):

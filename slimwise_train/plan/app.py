@@ -6,7 +6,9 @@
 
 Prints a table (per rank: frozen weights, trainable + grads + AdamW, DeepSpeed buckets, logits and loss scratch, KV
 cache, activations, ZeRO-3 gathers, framework baseline; total; whether it fits gpu_memory_gib), what a heavier
-distill.memory.recompute would plan when it does not fit, and writes the plan as JSON to <hydra run dir>/plan.json
+distill.memory.recompute would plan when it does not fit, then pruning's peaks (calibration whole vs layer by layer,
+the streamed export: GPU and host, against gpu_memory_gib and host_memory_gib; plan/prune.py) and the mode that fits,
+and writes the plan as JSON to <hydra run dir>/plan.json
 (`json_only=true`: only the JSON, as one line on stdout). Nothing is downloaded and no weight is allocated: the model is built on the meta
 device from model.architecture (the real presets ship their config.json), a tiny preset, or a local model.path.
 """
@@ -44,6 +46,9 @@ def run_plan(cfg, json_path: Path | None = None) -> dict:
     if not plan.fits:
         for suggestion in fitting_alternatives(cfg):
             print(suggestion, flush=True)
+    from slimwise_train.plan.prune import prune_table
+
+    print("\n" + prune_table(plan.prune, plan.device), flush=True)
     if json_path is not None:
         write_json_atomic(json_path, line)
         print(f"plan as JSON: {json_path} (json_only=true prints it as one line instead)", flush=True)

@@ -81,6 +81,10 @@ class Architecture:
     final_logit_softcapping: float | None
     tied_embeddings: bool
     kept_experts: list[int] = field(default_factory=list)
+    # The largest single expert tensor of a layer (gate_up_proj), and whether checkpoints store it one tensor per
+    # expert (transformers fuses those on load: its conversion mapping merges a module list) or already fused
+    largest_expert_tensor_params: int = 0
+    experts_stored_per_expert: bool = False
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -178,6 +182,16 @@ def _mlp_size(module: nn.Module | None) -> int:
     return int(gate.weight.shape[0]) if gate is not None and hasattr(gate, "weight") else 0
 
 
+def _experts_stored_per_expert(model) -> bool:
+    """Whether transformers loads this model's experts from one checkpoint tensor per expert (a conversion that merges
+    a module list), as hub checkpoints of the Qwen, Mixtral, OLMoE and DeepSeek families store them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import MergeModulelist, WeightConverter
+
+    return any(isinstance(op, MergeModulelist) for conversion in get_model_conversion_mapping(model)
+               if isinstance(conversion, WeightConverter) for op in conversion.operations)
+
+
 def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloat16,
              config=None) -> tuple[Architecture, object]:
     """(Architecture, the meta DistillModel) for the configured model, keep ratio and student; `config`: the model's
@@ -266,6 +280,8 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
         trainable_by_kind={k: int(counts[k]) for k in ("router", "norm", "shared_expert", "lora")},
         expert_params=int(total_experts), kept_expert_params=round(total_experts * kept_fraction),
         largest_other_module_params=int(largest_other), final_norm_width=final_width,
+        largest_expert_tensor_params=max(p.numel() for m in moe_layers for p in m.experts.parameters()),
+        experts_stored_per_expert=_experts_stored_per_expert(model),
         final_logit_softcapping=getattr(tcfg, "final_logit_softcapping", None),
         tied_embeddings=bool(getattr(model.config, "tie_word_embeddings", False)),
         kept_experts=list(keep_set.num_kept),

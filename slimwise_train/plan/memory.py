@@ -62,6 +62,7 @@ CPU_ZERO3_GATHER_COPIES = 3  # zero3 over gloo: transient copies of the largest 
 # GPU estimates (not measured here): CUDA context + NCCL + cuBLAS workspaces, and caching-allocator slack.
 GPU_BASELINE_GIB = 1.5
 GPU_FRAGMENTATION = 0.05
+HOST_CUDA_RUNTIME_GIB = 1.0  # host memory of a CUDA process's runtime beyond B (an estimate; the prune plan's host)
 
 COMPONENTS = ("frozen_weights", "trainable_and_optimizer", "deepspeed_buckets", "logits_and_loss", "kv_cache",
               "activations", "zero3_gathered", "framework_baseline", "host_allocator_retention", "fragmentation")
@@ -93,6 +94,7 @@ class Plan:
     details: dict
     gpu_memory_gib: float
     architecture: dict = field(default_factory=dict)
+    prune: dict = field(default_factory=dict)  # pruning's calibration and export peaks (plan/prune.py)
 
     @property
     def total_bytes(self) -> int:
@@ -112,7 +114,7 @@ class Plan:
             "components_gib": {k: round(v / GIB, 3) for k, v in self.components.items()},
             "total_bytes": self.total_bytes, "total_gib": round(self.total_bytes / GIB, 2),
             "gpu_memory_gib": self.gpu_memory_gib, "fits": self.fits, "details": self.details,
-            "architecture": self.architecture,
+            "architecture": self.architecture, "prune": self.prune,
         }
 
     def table(self) -> str:
@@ -372,6 +374,13 @@ def validate_plan_config(cfg) -> None:
     if not _positive_number(cfg.gpu_memory_gib):
         raise ValueError(f"gpu_memory_gib={cfg.gpu_memory_gib} is invalid: the memory per GPU must be a finite "
                          "number > 0 (GiB); e.g. gpu_memory_gib=80")
+    if not _positive_number(cfg.host_memory_gib):
+        raise ValueError(f"host_memory_gib={cfg.host_memory_gib} is invalid: the host's memory must be a finite "
+                         "number > 0 (GiB); e.g. host_memory_gib=256")
+    calibration_batch = _integer(cfg.calibration_batch_size)
+    if calibration_batch is None or calibration_batch < 1:
+        raise ValueError(f"calibration_batch_size={cfg.calibration_batch_size} is invalid: the prune app's sequences "
+                         "per calibration batch must be an integer >= 1; e.g. calibration_batch_size=4")
     baseline = cfg.get("baseline_mib")
     if baseline is not None and not (_positive_number(baseline) or baseline == 0):
         raise ValueError(f"baseline_mib={baseline} is invalid: the framework's baseline per rank is a finite number "
@@ -541,4 +550,22 @@ def plan_from_config(cfg) -> Plan:
     config = architecture_config(cfg.model)
     check_seq_len(cfg, config)
     arch, _ = describe(cfg.model, cfg.prune, cfg.distill, dtype, config=config)
-    return plan_memory(arch, cfg, shape, device, dtype)
+    plan = plan_memory(arch, cfg, shape, device, dtype)
+    plan.prune = _prune_plan(arch, cfg, device, dtype)
+    return plan
+
+
+def _prune_plan(arch: Architecture, cfg, device: str, dtype: torch.dtype) -> dict:
+    """plan/prune.py's calibration and export peaks for this model on this GPU and host, with the planner's
+    baselines (GPU: the estimate; host: the measured CPU baseline B, plus a CUDA process's runtime on a GPU)."""
+    from slimwise_train.plan.prune import plan_prune
+
+    baseline = cfg.get("baseline_mib")
+    host = (float(baseline) if baseline is not None else CPU_BASELINE_MIB) * MIB
+    if device != "cpu":
+        host += HOST_CUDA_RUNTIME_GIB * GIB
+    gpu = float(baseline) * MIB if baseline is not None else GPU_BASELINE_GIB * GIB
+    return plan_prune(arch, s=DTYPE_BYTES[dtype], device=device, num_samples=int(cfg.data.num_samples),
+                      seq_len=int(cfg.data.seq_len), batch=int(cfg.calibration_batch_size), world=int(cfg.world_size),
+                      gpu_memory_gib=float(cfg.gpu_memory_gib), host_memory_gib=float(cfg.host_memory_gib),
+                      gpu_baseline=int(gpu), host_baseline=int(host))

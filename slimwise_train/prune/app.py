@@ -53,25 +53,41 @@ class Scored(NamedTuple):
     fingerprint: dict
 
 
-def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=None) -> Scored:
+def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=None, checkpoint=None) -> Scored:
     """The prune stage's scoring, the one sequence the prune app and the trainer (prune.keep_set=null) both run: the
     ratio checked against the model before any calibration, the weight fingerprint, the statistics (a scores file, the
     cache or a calibration on `cfg.data`), the criterion's [L, E] scores, `keep_set_from_scores`.
 
     cfg: `prune`, `data` (the calibration set; `data_key` names it in errors: the trainer's is `calibration`),
     `model` and `progress`. loading: engine=zero3's partitioned loading (`.gathered`, `.gathered_inference`), whose
-    parameters are gathered for the fingerprint and around each module's forward; None: the model is whole."""
+    parameters are gathered for the fingerprint and around each module's forward; None: the model is whole.
+    checkpoint: prune.calibration.mode=layerwise, the `LazyCheckpoint` behind `model` (its meta-device skeleton),
+    read one decoder layer at a time for the fingerprint and the calibration (prune/layerwise.py)."""
     from slimwise_train.models import model_identity
     from slimwise_train.moe.adapters import get_adapter
     from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
     from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
 
     validate_prune_config(cfg.prune)
+    calibration = cfg.prune.get("calibration")  # absent from configs saved before it existed
+    layerwise = calibration is not None and calibration.mode == "layerwise"
+    if layerwise and checkpoint is None:
+        raise ValueError("prune.calibration.mode=layerwise is the prune app's (python -m slimwise_train.prune): the "
+                         "trainer scores the model it holds; drop it, or prune first and pass prune.keep_set")
     adapter = get_adapter(model)
     keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)  # a bad ratio fails here
-    fingerprint = model_fingerprint(model, adapter, gather=loading.gathered if loading else None)
+    collector = None
+    if layerwise:
+        from slimwise_train.prune.layerwise import layerwise_collector, streamed_weights_digest
+
+        digest = streamed_weights_digest(checkpoint, cfg.prune.cache_dir, cfg.progress) if du.is_rank0() else None
+        fingerprint = model_fingerprint(model, adapter, digest=du.broadcast_object(digest))
+        collector = layerwise_collector(checkpoint, cfg)
+    else:
+        fingerprint = model_fingerprint(model, adapter, gather=loading.gathered if loading else None)
     with loading.gathered_inference(model) if loading else contextlib.nullcontext():
-        stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key=data_key)
+        stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key=data_key,
+                                                               collector=collector)
     du.barrier()  # rank 0 has written the statistics cache: a next job (a sweep) sees it on every rank
     meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
             "model": model_identity(cfg.model), "statistics": source}
@@ -90,9 +106,17 @@ def run_prune(cfg) -> dict:
     check_known_keys(cfg, PruneAppConfig)
     validate_prune_config(cfg.prune)
     check_writable(Path(cfg.output_dir), create=False)
-    model, tokenizer = load_model(cfg.model, cfg.device)
+    checkpoint = None
+    if cfg.prune.calibration.mode == "layerwise":  # the model stays in its files: a meta-device skeleton
+        from slimwise_train.models import resolve_device
+        from slimwise_train.prune.layerwise import open_checkpoint
+
+        checkpoint, tokenizer = open_checkpoint(cfg.model, resolve_device(cfg.device))
+        model = checkpoint.model
+    else:
+        model, tokenizer = load_model(cfg.model, cfg.device)
     adapter = get_adapter(model)
-    keep_set, stats, stats_meta, fingerprint = score_keep_set(model, tokenizer, cfg)
+    keep_set, stats, stats_meta, fingerprint = score_keep_set(model, tokenizer, cfg, checkpoint=checkpoint)
     meta = keep_set.meta
     keep_set.check_model(model, adapter)
     if cfg.prune.export_checkpoint:
@@ -107,22 +131,27 @@ def run_prune(cfg) -> dict:
         "kept_routing_mass": kept_mass,
         "calibration_tokens": int(stats.num_tokens[0].item()),
         "world_size": du.world_size(),
+        "calibration_mode": str(cfg.prune.calibration.mode),
     }
     if du.is_rank0():
         with claim_output_dir(cfg.output_dir) as out:
-            _write_outputs(cfg, out, model, tokenizer, keep_set, stats, stats_meta, fingerprint, summary)
+            _write_outputs(cfg, out, model, tokenizer, keep_set, stats, stats_meta, fingerprint, summary, checkpoint)
     du.barrier()
     return summary
 
 
-def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta, fingerprint, summary) -> None:
+def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta, fingerprint, summary,
+                   checkpoint=None) -> None:
     from safetensors.torch import save_file
 
-    from slimwise_train.moe.pruning import export_pruned
+    from slimwise_train.moe.pruning import export_pruned, export_pruned_from_checkpoint
     from slimwise_train.prune.statistics import save_scores
     from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
 
-    if cfg.prune.export_checkpoint:
+    if cfg.prune.export_checkpoint and checkpoint is not None:  # layerwise: streamed from the files, a layer at a time
+        export_pruned_from_checkpoint(checkpoint, keep_set, out / "pruned", tokenizer=tokenizer, overwrite=True,
+                                      progress=cfg.progress)
+    elif cfg.prune.export_checkpoint:
         export_pruned(model, keep_set, out / "pruned", tokenizer=tokenizer, overwrite=True)
     save_scores(out / "scores.safetensors", stats, {**stats_meta, "model": fingerprint})
     keep_set.save(out / "keep_set.json")

@@ -93,11 +93,19 @@ class ExpertStatistics:
 
 
 def validate_prune_config(prune_cfg) -> None:
-    """prune.ratio's range and prune.criterion (a name in CRITERIA); prune.scope is the schema's Literal field
-    (check_known_keys)."""
+    """prune.ratio's range, prune.criterion (a name in CRITERIA) and prune.calibration's layerwise-only keys;
+    prune.scope and the calibration mode are the schema's Literal fields (check_known_keys)."""
     if not 0.0 < float(prune_cfg.ratio) < 1.0:
         raise ValueError(f"prune.ratio must be in (0, 1), got {prune_cfg.ratio}; e.g. prune.ratio=0.5 removes half")
     get_criterion(prune_cfg.criterion)
+    calibration = prune_cfg.get("calibration") if hasattr(prune_cfg, "get") else getattr(prune_cfg, "calibration", None)
+    if calibration is not None:
+        if int(calibration.resume_every) < 0:
+            raise ValueError(f"prune.calibration.resume_every={calibration.resume_every}: use a number of layers, or "
+                             "0 for no resume points")
+        if calibration.mode != "layerwise" and calibration.hidden_states != "cpu":
+            raise ValueError("prune.calibration.hidden_states applies to prune.calibration.mode=layerwise; set that "
+                             "mode or drop the key")
 
 
 

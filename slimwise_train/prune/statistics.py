@@ -82,15 +82,16 @@ def load_scores(path) -> tuple[ExpertStatistics, dict]:
             from None
 
 
-def weights_digest(model, gather=None) -> str:
+def weights_digest(model, gather=None, named_tensors=None) -> str:
     """sha256 over every parameter and buffer (names, dtypes, shapes, raw bytes) in state-dict order.
 
     Every weight can change the statistics: attention and embeddings shape the hidden states the routers see,
     experts their output norms (EAN, REAP). Hashing routers only gave a fine-tune with frozen routers, or a merged
-    LoRA, another model's cached scores.
+    LoRA, another model's cached scores. named_tensors: the (name, tensor) pairs of that order from elsewhere (the
+    layer-by-layer path reads them from the checkpoint one layer at a time: prune/layerwise.py).
     """
     digest = hashlib.sha256()
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for name, tensor in named_tensors if named_tensors is not None else model.state_dict(keep_vars=True).items():
         # `gather` (partitioned ZeRO-3 weights): the full tensor, one at a time, in the same order on every rank.
         with gather([tensor]) if gather is not None else contextlib.nullcontext():
             data = tensor.detach()
@@ -99,8 +100,9 @@ def weights_digest(model, gather=None) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(model, adapter, gather=None) -> dict:
-    """Identity of a model for scores files: family, MoE layout and a hash of all its weights."""
+def model_fingerprint(model, adapter, gather=None, digest: str | None = None) -> dict:
+    """Identity of a model for scores files: family, MoE layout and a hash of all its weights (`digest`: that hash,
+    computed elsewhere)."""
     layers = adapter.moe_layers(model)
     config = text_config(model)
     return {
@@ -110,7 +112,7 @@ def model_fingerprint(model, adapter, gather=None) -> dict:
         "num_experts": [m.num_experts for m in layers],
         "top_k": layers[0].top_k,
         "hidden_size": getattr(config, "hidden_size", None),
-        "weights_sha256": weights_digest(model, gather),
+        "weights_sha256": digest if digest is not None else weights_digest(model, gather),
     }
 
 
@@ -171,9 +173,11 @@ def check_enough_tokens(num_tokens: int, minimum: int, where: str) -> None:
         )
 
 
-def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_key: str = "data"):
-    """(ExpertStatistics, metadata, source) where source is 'file', 'cache' or 'computed'."""
-    stats, meta, source = _compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key)
+def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_key: str = "data", collector=None):
+    """(ExpertStatistics, metadata, source) where source is 'file', 'cache' or 'computed'. collector(batches, key,
+    **collect_statistics' keywords): what runs the calibration (default: `collect_statistics` on `model`; the
+    layer-by-layer path passes its own, which keys its resume points by the statistics key)."""
+    stats, meta, source = _compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key, collector)
     num_tokens = int(stats.num_tokens[0].item())
     check_enough_tokens(num_tokens, int(cfg.prune.min_calibration_tokens),
                         f"statistics ({source}{': ' + str(cfg.prune.scores) if source == 'file' else ''})")
@@ -182,7 +186,7 @@ def compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_ke
     return stats, meta, source
 
 
-def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_key: str):
+def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_key: str, collector=None):
     from slimwise_train.data.loading import calibration_batches, check_seq_len, encode_all, load_pairs, num_batches
 
     if cfg.prune.scores:
@@ -210,9 +214,10 @@ def _compute_or_load_statistics(model, tokenizer, cfg, fingerprint: dict, data_k
     log.info("statistics: calibrating on %d sequences (%d real tokens) across %d rank(s)", len(encoded),
              sum(len(e[0]) for e in encoded), world)
     batches = calibration_batches(encoded, cfg.data.batch_size, tokenizer.pad_token_id, rank, world)
-    stats = collect_statistics(model, batches, progress=cfg.progress,
-                               total=num_batches(len(encoded), cfg.data.batch_size, rank, world),
-                               num_forwards=num_batches(len(encoded), cfg.data.batch_size, 0, world))
+    collect = collector or (lambda batches, key, **kw: collect_statistics(model, batches, **kw))
+    stats = collect(batches, key, progress=cfg.progress,
+                    total=num_batches(len(encoded), cfg.data.batch_size, rank, world),
+                    num_forwards=num_batches(len(encoded), cfg.data.batch_size, 0, world))
     meta = {
         "model": fingerprint,
         "calibration": {**to_container(cfg.data), "num_sequences": len(encoded),

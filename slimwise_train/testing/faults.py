@@ -1,4 +1,5 @@
-"""Faults a test injects into a training run: a non-finite loss, a SIGKILL after a step or inside a checkpoint write.
+"""Faults a test injects into a training run: a non-finite loss, a SIGKILL after a step or inside a checkpoint write;
+and into the prune app's layer-by-layer calibration: a SIGKILL after a layer (`+extra.kill_after_layer=1`).
 
 The trainer calls three hooks (`distill/trainer.StepHooks`, which do nothing); `FaultHooks` fills them. A test
 installs it in the process, or, for a run started as a command (torchrun tests), names it in the config:
@@ -25,6 +26,8 @@ class FaultHooks:
     nan_at_steps: frozenset = field(default_factory=frozenset)  # 1-based steps whose loss is made NaN
     kill_after_step: int | None = None  # SIGKILL once this step (1-based) is done, its checkpoint included
     kill_in_checkpoint_at_step: int | None = None  # SIGKILL with that step's checkpoint written but unpublished
+    # the prune app's layerwise calibration: SIGKILL once this decoder layer (0-based) is done, its resume point written
+    kill_after_layer: int | None = None
 
     @classmethod
     def from_config(cls, extra) -> "FaultHooks":
@@ -47,4 +50,8 @@ class FaultHooks:
 
     def after_step(self, step: int) -> None:
         if step == self.kill_after_step:
+            kill_self()
+
+    def after_layer(self, layer: int) -> None:
+        if layer == self.kill_after_layer:
             kill_self()
