@@ -396,6 +396,44 @@ def test_cli_runs_offline_and_writes_lengths_beside_lm_evals_results(assets, tmp
 
 
 @pytest.mark.subprocess
+def test_accuracy_is_the_tasks_declared_metric_with_and_without_log_samples(tmp_path):
+    # Without --log_samples the summary takes lm-eval's aggregate; it once took the first number of the task's results,
+    # lm-eval's `sample_len` (2 documents at --limit 2), as the accuracy.
+    for flags in ([], ["--log_samples"]):
+        out = tmp_path / f"out{len(flags)}"
+        proc = _cli(["--model", "slimwise", "--model_args", f"pretrained={TEACHER},mode=full,progress=false",
+                     "--tasks", "slimwise_math", "--limit", "2", "--gen_kwargs", "max_gen_toks=4", "--output_path",
+                     str(out), *flags], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (results_file,) = out.rglob("results_*.json")
+        results = json.loads(results_file.read_text())["results"]["slimwise_math"]
+        assert results["sample_len"] == 2
+        row = json.loads(next(out.rglob("slimwise_summary_full.json")).read_text())["tasks"]["slimwise_math"]
+        assert row["accuracy"] == results["acc,none"], (flags, row)
+        assert row.get("accuracy_metric", "acc") == "acc"
+        assert f"| full | {results['acc,none']:.2f} /" in next(out.rglob("slimwise_report.md")).read_text()
+
+
+def test_primary_metric_is_the_first_declared_one_under_its_first_filter():
+    from slimwise_train.lm_eval.lengths import per_sample, primary_metric
+
+    # gsm8k-like: two filters, a bookkeeping count first, metric_list naming exact_match
+    results = {"results": {"t": {"alias": "t", "sample_len": 5, "exact_match,strict-match": 0.2,
+                                 "exact_match_stderr,strict-match": 0.1, "exact_match,flexible-extract": 0.4}},
+               "configs": {"t": {"metric_list": [{"metric": "exact_match", "higher_is_better": True}]}},
+               "higher_is_better": {"t": {"exact_match": True}}}
+    assert primary_metric(results, "t") == ("exact_match", "strict-match", 0.2)
+    del results["configs"]  # older results without configs: higher_is_better names the metric
+    assert primary_metric(results, "t") == ("exact_match", "strict-match", 0.2)
+    del results["higher_is_better"]  # nothing declared: no accuracy rather than a count
+    assert primary_metric(results, "t") is None
+    samples = [{"doc_id": 0, "filter": "strict-match", "exact_match": 0.0, "bookkeeping": 1, "target": ""},
+               {"doc_id": 0, "filter": "flexible-extract", "exact_match": 1.0, "target": ""}]
+    assert per_sample(samples, None, "exact_match", "strict-match") == {0: {"correct": False, "reference_tokens": None}}
+    assert per_sample(samples, None, "exact_match", "flexible-extract")[0]["correct"] is True
+
+
+@pytest.mark.subprocess
 def test_cli_bad_model_args_is_one_line_with_exit_code_2(tmp_path):
     proc = _cli(["--model", "slimwise", "--model_args", f"pretrained={TEACHER},mode=slimwise",
                  "--tasks", "slimwise_math", "--limit", "1"], tmp_path)

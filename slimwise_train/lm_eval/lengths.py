@@ -34,21 +34,41 @@ REPORT_NAME = "slimwise_report.md"
 
 
 # ----------------------------------------------------------------------------------------------- lm-eval outputs
-def primary_metric(task_results: dict) -> tuple[str, float] | None:
-    """(name, value) of a task's first metric in lm-eval's results (`acc,none` -> acc), or None."""
-    for key, value in task_results.items():
-        if key == "alias" or "_stderr" in key or not isinstance(value, (int, float)):
-            continue
-        return key.split(",")[0], float(value)
+def declared_metrics(results: dict | None, task: str) -> list[str]:
+    """The metrics `task` declares, in its order: its config's `metric_list` (what lm-eval aggregates and prints), else
+    the keys of lm-eval's `higher_is_better` for it. Never a bookkeeping entry of the results (`sample_len`,
+    `alias`, `name`): those are no accuracy."""
+    config = ((results or {}).get("configs") or {}).get(task) or {}
+    names = [entry.get("metric") for entry in config.get("metric_list") or () if isinstance(entry, dict)]
+    names = [name for name in names if isinstance(name, str)]  # a metric given as a function has no result key
+    if not names:
+        names = list(((results or {}).get("higher_is_better") or {}).get(task) or {})
+    return names
+
+
+def primary_metric(results: dict | None, task: str) -> tuple[str, str, float] | None:
+    """(metric, filter, value) of `task`'s first declared metric (`declared_metrics`) in lm-eval's results, under the
+    first filter that reports it (`exact_match,strict-match` -> exact_match, strict-match); None when the results hold
+    none of the declared metrics (no accuracy is better than a count taken for one)."""
+    task_results = ((results or {}).get("results") or {}).get(task) or {}
+    for metric in declared_metrics(results, task):
+        for key, value in task_results.items():
+            name, _, filter_key = key.partition(",")
+            if name == metric and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return metric, filter_key or "none", float(value)
     return None
 
 
-def per_sample(samples: Sequence[dict] | None, tokenizer) -> dict[int, dict]:
-    """{doc_id: {"correct": bool|None, "reference_tokens": int|None}} from lm-eval's logged samples."""
+def per_sample(samples: Sequence[dict] | None, tokenizer, metric: str | None = None,
+               filter_key: str | None = None) -> dict[int, dict]:
+    """{doc_id: {"correct": bool|None, "reference_tokens": int|None}} from lm-eval's logged samples: correct is the
+    sample's `metric` (the task's primary metric) under `filter_key` (a task with several filters logs each document
+    once per filter); None where the sample does not report it."""
     out = {}
     for sample in samples or ():
-        metrics = sample.get("metrics") or []
-        correct = bool(sample[metrics[0]]) if metrics and metrics[0] in sample else None
+        if filter_key is not None and sample.get("filter", filter_key) != filter_key:
+            continue
+        correct = bool(sample[metric]) if metric is not None and metric in sample else None
         target = sample.get("target")
         reference = (len(tokenizer(str(target), add_special_tokens=False)["input_ids"]) + 1
                      if isinstance(target, str) and target else None)
@@ -84,7 +104,10 @@ def run_name(info: dict) -> str:
 
 def annotate(records: Sequence[dict], results: dict | None, samples: dict[str, list], tokenizer) -> list[dict]:
     """Records with correct / reference_tokens from lm-eval's samples (None where not logged), in task, doc order."""
-    known = {task: per_sample(rows, tokenizer) for task, rows in samples.items()}
+    known = {}
+    for task, rows in samples.items():
+        metric = primary_metric(results, task)
+        known[task] = per_sample(rows, tokenizer, *(metric[:2] if metric else (None, None)))
     out = []
     for record in sorted(records, key=lambda r: (str(r["task"]), r["doc_id"] or 0, r.get("idx", 0))):
         extra = known.get(record["task"], {}).get(record["doc_id"], {})
@@ -116,8 +139,8 @@ def summarize_records(records: Sequence[dict], results: dict | None = None) -> d
     rows = summarize(problems, record, task_budgets(records))
     for task, row in rows.items():
         if row["accuracy"] is None and results and task in results.get("results", {}):
-            metric = primary_metric(results["results"][task])
-            row["accuracy"] = metric[1] if metric else None
+            metric = primary_metric(results, task)
+            row["accuracy"] = metric[2] if metric else None
             row["accuracy_metric"] = metric[0] if metric else None
     return rows
 
