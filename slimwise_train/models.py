@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slimwise_train.config import ModelDtype
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.utils.distributed import is_partitioned
-from slimwise_train.utils.hf import text_config
+from slimwise_train.utils.hf import resolve_path, text_config
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer"
@@ -40,18 +40,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"unknown model.dtype {dtype!r}; use auto, {', '.join(_DTYPES)}")
     return _DTYPES[dtype]
-
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def resolve_path(path: str | None) -> str | None:
-    """Relative local paths are tried against the working directory, then the repository root (so shipped
-    assets resolve from anywhere); anything else (a hub id) is returned unchanged."""
-    if path is None or Path(path).is_absolute() or Path(path).exists():
-        return path
-    candidate = REPO_ROOT / path
-    return str(candidate) if candidate.exists() else path
 
 
 def _looks_local(path: str) -> bool:
@@ -182,3 +170,33 @@ def model_identity(model_cfg) -> str:
     if model_cfg.tiny:
         return f"tiny:{model_cfg.tiny}:seed={model_cfg.seed}"
     return f"{model_cfg.path}@{model_cfg.revision or 'main'}"
+
+
+def model_weights(model_cfg):
+    """The model of `model_cfg` as the keep-set rules compare it (`moe.keepset_rules.ModelWeights`), without loading
+    it: a tiny random model by its recipe (type, seed, overrides, tokenizer: what builds its weights), a checkpoint by
+    its local folder, a hub id by its snapshot in the local cache (none when it is not cached)."""
+    import json
+
+    from slimwise_train.moe.keepset_rules import ModelWeights
+
+    identity = model_identity(model_cfg)
+    if model_cfg.tiny:
+        recipe = {"tiny": model_cfg.tiny, "seed": int(model_cfg.seed), "tokenizer": model_cfg.tokenizer,
+                  "overrides": dict(model_cfg.tiny_overrides or {})}
+        return ModelWeights(identity, recipe=json.dumps(recipe, sort_keys=True, default=str))
+    path = resolve_path(str(model_cfg.path))
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        folder = _cached_snapshot(path, model_cfg.revision)
+    return ModelWeights(identity, folder=os.path.realpath(folder) if folder else None)
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The local snapshot folder of a hub id in the Hugging Face cache, without the network; None when not cached."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # not cached, or not a valid id: the model load names the problem
+        return None

@@ -16,11 +16,9 @@ criteria calibrates once.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -43,60 +41,28 @@ def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
     return tensors
 
 
-class Scored(NamedTuple):
-    """What `score_keep_set` computed: the keep set (its meta included), the statistics, their metadata and the
-    model's fingerprint (what the prune app writes beside the keep set)."""
-
-    keep_set: Any
-    stats: Any
-    stats_meta: dict
-    fingerprint: dict
-
-
-def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=None) -> Scored:
-    """The prune stage's scoring, the one sequence the prune app and the trainer (prune.keep_set=null) both run: the
-    ratio checked against the model before any calibration, the weight fingerprint, the statistics (a scores file, the
-    cache or a calibration on `cfg.data`), the criterion's [L, E] scores, `keep_set_from_scores`.
-
-    cfg: `prune`, `data` (the calibration set; `data_key` names it in errors: the trainer's is `calibration`),
-    `model` and `progress`. loading: engine=zero3's partitioned loading (`.gathered`, `.gathered_inference`), whose
-    parameters are gathered for the fingerprint and around each module's forward; None: the model is whole."""
-    from slimwise_train.models import model_identity
-    from slimwise_train.moe.adapters import get_adapter
-    from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
-    from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
-
-    validate_prune_config(cfg.prune)
-    adapter = get_adapter(model)
-    keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)  # a bad ratio fails here
-    fingerprint = model_fingerprint(model, adapter, gather=loading.gathered if loading else None)
-    with loading.gathered_inference(model) if loading else contextlib.nullcontext():
-        stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key=data_key)
-    du.barrier()  # rank 0 has written the statistics cache: a next job (a sweep) sees it on every rank
-    meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
-            "model": model_identity(cfg.model), "statistics": source}
-    keep_set = keep_set_from_scores(model, get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio,
-                                    cfg.prune.scope, adapter=adapter, meta=meta)
-    return Scored(keep_set, stats, stats_meta, fingerprint)
-
-
 def run_prune(cfg) -> dict:
     """The whole prune job; returns the summary. Importable for tests and notebooks."""
     from slimwise_train.models import load_model
     from slimwise_train.moe.adapters import get_adapter
-    from slimwise_train.moe.pruning import check_exportable
+    from slimwise_train.moe.keepset_rules import check_exportable, check_fits
     from slimwise_train.prune.criteria import validate_prune_config
+    from slimwise_train.prune.scoring import score_keep_set
 
     check_known_keys(cfg, PruneAppConfig)
     validate_prune_config(cfg.prune)
+    if cfg.prune.keep_set:
+        raise ValueError(f"prune.keep_set={cfg.prune.keep_set} is what the trainer and eval read; the prune app scores a "
+                         "new keep set: drop prune.keep_set (or pass it to python -m slimwise_train / eval)")
     check_writable(Path(cfg.output_dir), create=False)
     model, tokenizer = load_model(cfg.model, cfg.device)
     adapter = get_adapter(model)
     keep_set, stats, stats_meta, fingerprint = score_keep_set(model, tokenizer, cfg)
     meta = keep_set.meta
-    keep_set.check_model(model, adapter)
+    where = f"the keep set scored with prune.scope={cfg.prune.scope}"
+    check_fits(keep_set, model, where)
     if cfg.prune.export_checkpoint:
-        check_exportable(adapter, model, keep_set)
+        check_exportable(keep_set, model.config, where, "prune.export_checkpoint")
     mass = stats.mass_all
     kept_mass = [float(mass[i, list(lk.kept)].sum() / mass[i].sum()) if mass[i].sum() > 0 else 0.0
                  for i, lk in enumerate(keep_set)]

@@ -1,0 +1,48 @@
+"""The prune stage's scoring: the one sequence that turns a model and a calibration set into a keep set, run by the
+prune app and by the trainer when it scores its own keep set (prune.keep_set=null)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, NamedTuple
+
+from slimwise_train.utils import distributed as du
+
+
+class Scored(NamedTuple):
+    """What `score_keep_set` computed: the keep set (its meta included), the statistics, their metadata and the
+    model's fingerprint (what the prune app writes beside the keep set)."""
+
+    keep_set: Any
+    stats: Any
+    stats_meta: dict
+    fingerprint: dict
+
+
+def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=None) -> Scored:
+    """The prune stage's scoring, the one sequence the prune app and the trainer (prune.keep_set=null) both run: the
+    ratio checked against the model before any calibration, the weight fingerprint, the statistics (a scores file, the
+    cache or a calibration on `cfg.data`), the criterion's [L, E] scores, `keep_set_from_scores`.
+
+    cfg: `prune`, `data` (the calibration set; `data_key` names it in errors: the trainer's is `calibration`),
+    `model` and `progress`. loading: engine=zero3's partitioned loading (`.gathered`, `.gathered_inference`), whose
+    parameters are gathered for the fingerprint and around each module's forward; None: the model is whole."""
+    from slimwise_train.models import model_weights
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset_rules import provenance
+    from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
+    from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
+
+    validate_prune_config(cfg.prune)
+    adapter = get_adapter(model)
+    keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)  # a bad ratio fails here
+    fingerprint = model_fingerprint(model, adapter, gather=loading.gathered if loading else None)
+    with loading.gathered_inference(model) if loading else contextlib.nullcontext():
+        stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key=data_key)
+    du.barrier()  # rank 0 has written the statistics cache: a next job (a sweep) sees it on every rank
+    # meta.model and meta.weights: what the keep-set rules compare a later run's model with (moe/keepset_rules.py)
+    meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
+            **provenance(model_weights(cfg.model)), "statistics": source}
+    keep_set = keep_set_from_scores(model, get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio,
+                                    cfg.prune.scope, adapter=adapter, meta=meta)
+    return Scored(keep_set, stats, stats_meta, fingerprint)
