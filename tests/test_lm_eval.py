@@ -70,6 +70,12 @@ def _lm(assets, mode, **kwargs):
     return SlimwiseLM(pretrained=str(TEACHER), mode=mode, device="cpu", progress=False, **extra, **kwargs)
 
 
+def _one(folder: Path, pattern: str) -> Path:
+    """The one file of `folder` matching `pattern` (run names end in a digest of the keep set and student)."""
+    (path,) = folder.glob(pattern)
+    return path
+
+
 class _Request:
     """What lm-eval hands a model: args, task_name, doc_id, idx."""
 
@@ -141,7 +147,7 @@ def test_per_request_lengths_and_the_report(both_tools, assets):
 
     app, lm_runs = both_tools
     folder = assets["root"] / "lm_eval"
-    records = [json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in _one(folder, "slimwise_lengths_slimwise_keep-*.jsonl").read_text().splitlines()]
     assert len(records) == 3 * PER_FAMILY
     assert {r["end_reason"] for r in records} <= {"eos", "budget"}  # the suite's tasks have no stop strings
     (app_run,) = [r for r in app["runs"] if r["mode"] == "slimwise"]
@@ -386,9 +392,9 @@ def test_cli_runs_offline_and_writes_lengths_beside_lm_evals_results(assets, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     folder = results_file.parent
-    records = [json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in _one(folder, "slimwise_lengths_slimwise_keep-*.jsonl").read_text().splitlines()]
     assert len(records) == 9 and all(r["budget"] == 12 and r["reference_tokens"] for r in records)
-    summary = json.loads((folder / "slimwise_summary_slimwise_keep.json").read_text())
+    summary = json.loads(_one(folder, "slimwise_summary_slimwise_keep-*.json").read_text())
     results = json.loads(results_file.read_text())["results"]
     for family in FAMILIES:
         assert summary["tasks"][f"slimwise_{family}"]["accuracy"] == results[f"slimwise_{family}"]["acc,none"]
@@ -412,6 +418,32 @@ def test_accuracy_is_the_tasks_declared_metric_with_and_without_log_samples(tmp_
         assert row["accuracy"] == results["acc,none"], (flags, row)
         assert row.get("accuracy_metric", "acc") == "acc"
         assert f"| full | {results['acc,none']:.2f} /" in next(out.rglob("slimwise_report.md")).read_text()
+
+
+@pytest.mark.subprocess
+def test_two_keep_sets_whose_paths_end_alike_keep_their_own_outputs(tmp_path):
+    # .../a/r0.5 and .../b/r0.5 into one --output_path: each run's lengths and summary stay (they overwrote each other)
+    from slimwise_train.models import load_config
+    from slimwise_train.moe.keepset import LayerKeep
+
+    text = load_config(compose_config("eval", "model=teacher", "output_dir=/tmp/x").model)
+    keep_sets = {}
+    for name, kept in (("a", range(0, text.num_experts, 2)), ("b", range(1, text.num_experts, 2))):
+        layers = tuple(LayerKeep(i, text.num_experts, text.num_experts_per_tok, tuple(kept))
+                       for i in range(text.num_hidden_layers))
+        keep_sets[name] = tmp_path / name / "r0.5" / "keep_set.json"
+        KeepSet(layers, text.model_type).save(keep_sets[name])
+    out = tmp_path / "out"
+    for name, keep in keep_sets.items():
+        proc = _cli(["--model", "slimwise", "--model_args", f"pretrained={TEACHER},keep_set={keep},mode=slimwise,"
+                     "progress=false", "--tasks", "slimwise_math", "--limit", "1", "--gen_kwargs", "max_gen_toks=2",
+                     "--output_path", str(out)], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (folder,) = {p.parent for p in out.rglob("results_*.json")}
+    summaries = [json.loads(p.read_text()) for p in folder.glob("slimwise_summary_slimwise_r0.5-*.json")]
+    assert sorted(s["keep_set"] for s in summaries) == sorted(str(k) for k in keep_sets.values())
+    assert len(list(folder.glob("slimwise_lengths_slimwise_r0.5-*.jsonl"))) == 2
+    assert len({s["run"] for s in summaries}) == 2
 
 
 def test_primary_metric_is_the_first_declared_one_under_its_first_filter():
@@ -471,9 +503,9 @@ def test_two_process_data_parallel_equals_one_process(assets, tmp_path):
 
     def read(name):
         (folder,) = {p.parent for p in (tmp_path / name).rglob("results_*.json")}
-        records = sorted((json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text()
+        records = sorted((json.loads(x) for x in _one(folder, "slimwise_lengths_slimwise_keep-*.jsonl").read_text()
                           .splitlines()), key=lambda r: (r["task"], r["doc_id"]))
-        summary = json.loads((folder / "slimwise_summary_slimwise_keep.json").read_text())
+        summary = json.loads(_one(folder, "slimwise_summary_slimwise_keep-*.json").read_text())
         return records, summary
 
     (rec1, sum1), (rec2, sum2) = read("one"), read("two")

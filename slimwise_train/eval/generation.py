@@ -273,7 +273,8 @@ def check_student_path(path: str | Path, key: str = "eval.student") -> Path:
     return path
 
 
-def load_student(path: str | Path, full_model: nn.Module, key: str = "eval.student") -> tuple[nn.Module, KeepSet | None]:
+def load_student(path: str | Path, full_model: nn.Module,
+                 key: str = "eval.student") -> tuple[nn.Module, KeepSet | None]:
     """(student model, the keep set it was pruned with or None) from an exported checkpoint folder: the decoder of
     slimwise_distill and the whole model of conventional_distill (as loaded: physically pruned, no masking).
 

@@ -12,10 +12,12 @@ Files written into the folder of lm-eval's results (each atomically):
     slimwise_report.md             every run in the folder side by side: one table per keep set, rows = modes
     slimwise_lengths_<keep>.png    length CDF per task, one line per mode
 
-`<run>` is the mode, plus the keep set's name for pruned modes, so the six modes of one keep set run into one
-`--output_path` build up one comparison. Length = generated tokens incl. EOS (or the token that completed a stop
-string); hit_budget = ended by max_gen_toks; collapse = ended (EOS or stop) shorter than half the reference answer
-(lm-eval's target, tokens + 1 for EOS; null without --log_samples).
+`<run>` is the mode, plus for pruned modes the keep set's name and 8 hex digits of a digest of its content (and of the
+student's weight files for the distilled modes), so the six modes of one keep set run into one `--output_path`
+build up one comparison, and two keep sets whose paths end alike (`a/r0.5`, `b/r0.5`) never overwrite each other.
+Length = generated tokens incl. EOS (or the token that completed a stop string); hit_budget = ended by max_gen_toks;
+collapse = ended (EOS or stop) shorter than half the reference answer (lm-eval's target, tokens + 1 for EOS; null
+without --log_samples).
 """
 
 from __future__ import annotations
@@ -99,7 +101,10 @@ def run_name(info: dict) -> str:
 
     if info["mode"] == "full" or not info.get("keep_set"):
         return info["mode"]
-    return f"{info['mode']}_{keep_set_name(info['keep_set'], set())}"
+    name = f"{info['mode']}_{keep_set_name(info['keep_set'], set())}"
+    if info.get("run_digest"):  # summaries written before 2026-12-07 have none
+        name += f"-{info['run_digest'][:8]}"
+    return name
 
 
 def annotate(records: Sequence[dict], results: dict | None, samples: dict[str, list], tokenizer) -> list[dict]:

@@ -458,7 +458,20 @@ class SlimwiseLM(TemplateLM):
             info["num_experts"] = [layer.num_experts for layer in self.keep_set]
             info["top_k"] = [layer.top_k for layer in self.keep_set]  # the report's expert-bytes bound
             info["keep_fraction"] = self.keep_set.keep_fraction
+            info["run_digest"] = self.run_digest()
         return info
+
+    def run_digest(self) -> str:
+        """sha256 of what the pruned decoder is made of: the keep set's content and, in the student modes, the
+        student's weight files (their content, not their path): names this run's output files."""
+        import hashlib
+
+        from slimwise_train.utils.fingerprint import weight_files_digest
+
+        parts = [self.keep_set.digest()]
+        if self.student_path:
+            parts.append(weight_files_digest(self.student_path) or str(Path(self.student_path).resolve()))
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def gathered_records(self) -> list[dict] | None:
         """Every rank's length records on rank 0 (None elsewhere); a collective under data parallelism."""

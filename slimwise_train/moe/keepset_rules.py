@@ -125,7 +125,8 @@ def check_scored_on(keep_set: KeepSet, model: ModelWeights, where: str, allow_fo
                     allow_key)
         return
     raise ValueError(f"{where} {change}: its experts were chosen for other weights; prune again on this model "
-                     f"(python -m slimwise_train.prune with the same model.*), or set {allow_key}=true to use it anyway")
+                     f"(python -m slimwise_train.prune with the same model.*), or set {allow_key}=true to use it "
+                     "anyway")
 
 
 def check_exportable(keep_set: KeepSet, config, where: str, export_key: str) -> None:

@@ -52,8 +52,8 @@ def run_prune(cfg) -> dict:
     check_known_keys(cfg, PruneAppConfig)
     validate_prune_config(cfg.prune)
     if cfg.prune.keep_set:
-        raise ValueError(f"prune.keep_set={cfg.prune.keep_set} is what the trainer and eval read; the prune app scores a "
-                         "new keep set: drop prune.keep_set (or pass it to python -m slimwise_train / eval)")
+        raise ValueError(f"prune.keep_set={cfg.prune.keep_set} is what the trainer and eval read; the prune app "
+                         "scores a new keep set: drop prune.keep_set (or pass it to python -m slimwise_train / eval)")
     check_writable(Path(cfg.output_dir), create=False)
     model, tokenizer = load_model(cfg.model, cfg.device)
     adapter = get_adapter(model)
