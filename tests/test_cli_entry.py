@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from slimwise_train.utils.cli import _override_variants, threads_for_this_process
+from slimwise_train.utils.cli import _check_whole_dict_overrides, _override_variants, threads_for_this_process
 
-from helpers import APPS
+from helpers import APPS, compose_config
 from helpers import CHILD_ENV as ENV
 
 
@@ -43,6 +43,12 @@ def tree(root: Path) -> list[str]:
     ("plan", "world_size=1.5", "world_size=1.5: Value '1.5' of type 'float' could not be converted to Integer"),
     ("prune", "prune.ratoi=0.3", "Key 'ratoi' not in 'PruneConfig'; did you mean ratio?"),
     ("eval", "eval.budget=lots", "eval.budget must be >= 1 token per family"),
+    # a dict given whole is merged by Hydra, not replaced: ce would keep training at 0.1
+    ("train", "distill.loss.terms={kl:1.0}", "distill.loss.terms={kl:1.0}: Hydra merges a dict given whole into the one "
+                                             "there ({ce: 0.1, kl: 0.9}): it would keep ce; to make distill.loss.terms "
+                                             "{kl: 1.0} write ~distill.loss.terms.ce distill.loss.terms.kl=1.0"),
+    ("train", "distill.loss.terms.full_kl=1.0", "Key 'full_kl' is not in struct; a new key of a dict is added with "
+                                                "+distill.loss.terms.full_kl=1.0"),
 ])
 @pytest.mark.subprocess
 def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override, expected):
@@ -53,6 +59,22 @@ def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override,
     assert "_schema" not in line  # the typed schemas Hydra lists as choices are not presets
     assert tree(tmp_path) == []
     assert time.perf_counter() - start < 60  # before any model loads
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("{kl:1.0}", {"kl": 1.0}), ("{full_kl:1.0}", {"full_kl": 1.0}), ("{ce:0.2,full_kl:1.0}", {"ce": 0.2, "full_kl": 1.0}),
+    ("{}", {}),
+])
+def test_a_whole_dict_override_is_refused_with_the_spelling_that_makes_that_dict(given, expected):
+    with pytest.raises(ValueError) as caught:
+        _check_whole_dict_overrides([f"distill.loss.terms={given}"],
+                                    lambda lines: compose_config("train", *lines))
+    spelled = str(caught.value).rsplit(" write ", 1)[1].split()
+    if expected:
+        assert dict(compose_config("train", *spelled).distill.loss.terms) == expected
+    # the same keys as there (only values change), and a null field given a dict, pass as Hydra means them
+    _check_whole_dict_overrides(["distill.loss.terms={ce:0.5,kl:0.5}"], lambda lines: compose_config("train", *lines))
+    _check_whole_dict_overrides(["eval.budget={math:3}", "output_dir=x"], lambda lines: compose_config("eval", *lines))
 
 
 @pytest.mark.subprocess

@@ -150,6 +150,61 @@ def _override_variants(overrides: list[str]) -> list[list[str]]:
     return variants
 
 
+def _shown_dict(values: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in values.items()) + "}"
+
+
+def _check_whole_dict_overrides(variant: list[str], compose: Callable[[list[str]], object]) -> None:
+    """Refuse `key={...}` aimed at a dict the config already has (distill.loss.terms, model.tiny_overrides): Hydra
+    merges a dict given whole into the one there, so `distill.loss.terms={kl: 1.0}` kept ce at 0.1, `{}` changed
+    nothing, and a key not there (`{full_kl: 1.0}`) failed with "not in struct". The line spells the overrides that
+    do make the dict the one given (`~` removes a key, `+` adds one). A null field (eval.budget) takes the dict as
+    given and is not refused; `compose(overrides)` composes the variant without the dict overrides to see what is
+    there."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parsed = OverridesParser.create().parse_overrides(variant)
+    whole = {i: o for i, o in enumerate(parsed)
+             if not (o.is_add() or o.is_delete() or o.is_force_add()) and isinstance(o.value(), dict)}
+    if not whole:
+        return
+    base = compose([line for i, line in enumerate(variant) if i not in whole])
+    for i, override in whole.items():
+        key = override.get_key_element()
+        there = OmegaConf.select(base, key, default=None)
+        if not OmegaConf.is_dict(there):
+            continue
+        there, given = OmegaConf.to_container(there), override.value()
+        if set(there) == set(given):
+            continue
+        kept, added = [k for k in there if k not in given], [k for k in given if k not in there]
+        effect = "; ".join(part for part in (
+            f"it would keep {', '.join(map(str, kept))}" if kept else "",
+            f"it cannot add {', '.join(map(str, added))} that way" if added else "") if part)
+        spelling = [f"~{key}.{k}" for k in kept] + [f"{'' if k in there else '+'}{key}.{k}={v}" for k, v in given.items()]
+        raise ValueError(f"{variant[i]}: Hydra merges a dict given whole into the one there ({_shown_dict(there)}): "
+                         f"{effect}; to make {key} {_shown_dict(given)} write "
+                         f"{' '.join(spelling) if spelling else '(nothing to change)'}")
+
+
+def _add_with_plus(overrides: list[str], exc: BaseException) -> str:
+    """`; a new key of a dict is added with +distill.loss.terms.full_kl=1.0` where Hydra refused a key a free-form
+    dict does not have yet ("not in struct"), given without `+`; "" otherwise (a typed schema's unknown key is
+    check_known_keys' to name)."""
+    import re
+
+    text = " ".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+    missing = re.search(r"Key '([^']+)' is not in struct", text)
+    if not missing:
+        return ""
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if not key.startswith(("+", "~")) and key.split(".")[-1] == missing.group(1):
+            return f"; a new key of a dict is added with +{override}"
+    return ""
+
+
 def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir: str,
                      check: Callable | None = None, schema: type | None = None,
                      moved: Callable[[str], str | None] | None = None):
@@ -169,6 +224,7 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir
         first = None
         with initialize_config_dir(config_dir=conf_dir, version_base=None):
             for variant in variants:
+                _check_whole_dict_overrides(variant, lambda lines: compose(config_name, overrides=lines))
                 cfg = compose(config_name, overrides=variant, return_hydra_config=True)
                 first = first if first is not None else cfg
                 if check is not None:
@@ -181,7 +237,7 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir
         plain = isinstance(exc, ValueError) and not isinstance(exc, (HydraException, OmegaConfBaseException))
         # a flat distill key of before the groups (distill.lr): where it moved, rather than Hydra's "not in struct"
         renamed = _moved_key(overrides, exc, moved) if moved is not None and not plain else None
-        line = f"{prog}: error: {renamed or (exc if plain else _one_line(exc))}"  # check_known_keys' line, or Hydra's
+        line = f"{prog}: error: {renamed or (exc if plain else _one_line(exc) + _add_with_plus(overrides, exc))}"
         if int(os.environ.get("RANK", "0")) == 0:
             print(line, file=sys.stderr)
         _report_to_torchrun(line)
