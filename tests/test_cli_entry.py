@@ -62,7 +62,8 @@ def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override,
 
 
 @pytest.mark.parametrize("given, expected", [
-    ("{kl:1.0}", {"kl": 1.0}), ("{full_kl:1.0}", {"full_kl": 1.0}), ("{ce:0.2,full_kl:1.0}", {"ce": 0.2, "full_kl": 1.0}),
+    ("{kl:1.0}", {"kl": 1.0}), ("{full_kl:1.0}", {"full_kl": 1.0}),
+    ("{ce:0.2,full_kl:1.0}", {"ce": 0.2, "full_kl": 1.0}),
     ("{}", {}),
 ])
 def test_a_whole_dict_override_is_refused_with_the_spelling_that_makes_that_dict(given, expected):

@@ -182,7 +182,8 @@ def _check_whole_dict_overrides(variant: list[str], compose: Callable[[list[str]
         effect = "; ".join(part for part in (
             f"it would keep {', '.join(map(str, kept))}" if kept else "",
             f"it cannot add {', '.join(map(str, added))} that way" if added else "") if part)
-        spelling = [f"~{key}.{k}" for k in kept] + [f"{'' if k in there else '+'}{key}.{k}={v}" for k, v in given.items()]
+        spelling = [f"~{key}.{k}" for k in kept]
+        spelling += [f"{'' if k in there else '+'}{key}.{k}={v}" for k, v in given.items()]
         raise ValueError(f"{variant[i]}: Hydra merges a dict given whole into the one there ({_shown_dict(there)}): "
                          f"{effect}; to make {key} {_shown_dict(given)} write "
                          f"{' '.join(spelling) if spelling else '(nothing to change)'}")
