@@ -387,7 +387,15 @@ class Trainer:
             "keep_set": self.keep_set.to_dict(),  # a rerun of this folder with another keep set is refused
             "prefix_from": str(self.cfg.distill.split.prefix_from),  # another training objective: resume is refused
             "loss_terms": self._loss_terms(),  # another objective too (distill.loss.terms)
+            "schedule": self._schedule(),  # a resume with another one re-plans the learning rate: said in one line
+            "lr": self.engine.lr(),  # the learning rate of the next step under that schedule
         }
+
+    def _schedule(self) -> dict:
+        """distill.schedule's keys that shape the learning rate over the steps (engine.lr_lambda)."""
+        schedule = self.cfg.distill.schedule
+        return {"max_steps": int(schedule.max_steps), "warmup_steps": int(schedule.warmup_steps),
+                "min_lr_ratio": float(schedule.min_lr_ratio)}
 
     def _loss_terms(self) -> dict[str, float]:
         """distill.loss.terms as trained: {name: weight} of the terms on (a weight of 0 is off, the same as absent)."""
@@ -429,11 +437,28 @@ class Trainer:
                 + ", ".join(f"{name}={a} (now {b})" for name, a, b in mismatch)
                 + "; use resume=never or another output folder"
             )
+        planned = state.get("schedule")  # checkpoints from before it was recorded: unknown, nothing to say
         state = load_checkpoint(path, self.engine)
         self.step = int(state["step"])
+        if planned is not None and planned != self._schedule():
+            self._say_schedule_replanned(planned, state.get("lr"))
         self.nan_streak, self.nan_skipped = int(state["nan_streak"]), int(state["nan_skipped"])
         self.tokens_seen = int(state["tokens_seen"])
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _say_schedule_replanned(self, planned: dict, planned_lr: float | None) -> None:
+        """A resume under another distill.schedule (a larger max_steps, to train on) re-plans the learning rate from
+        the resumed step: one line with what changed and the learning rate it jumps between."""
+        from slimwise_train.distill.engine import lr_lambda
+
+        now = self._schedule()
+        changed = ", ".join(f"{key} {planned.get(key)} -> {value}" for key, value in now.items()
+                            if planned.get(key) != value)
+        new_lr = float(self.cfg.distill.optim.lr) * lr_lambda(now["warmup_steps"], now["max_steps"],
+                                                              now["min_lr_ratio"])(self.step)
+        jump = f" (lr {planned_lr:.3g} -> {new_lr:.3g})" if planned_lr is not None else f" (lr now {new_lr:.3g})"
+        log.warning("resuming at step %d under another distill.schedule (%s): the learning-rate schedule is re-planned "
+                    "from this step%s", self.step, changed, jump)
 
     # ================================================================== one step
     def _micro_batches(self, step: int) -> tuple[list[B.ContinuationBatch], list[float]]:
