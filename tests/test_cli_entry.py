@@ -199,10 +199,41 @@ def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_pa
         output = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
-    assert proc.returncode != 0
     # Once in many CI runs (2026-12-05, an Intel Xeon) the folder and its log stayed: the exit status and the app's
     # last output tell a KeyboardInterrupt the cleanup missed from a process killed by the signal itself (-2).
     assert tree(tmp_path) == [], f"exit status {proc.returncode}; the app's last output:\n{output[-3000:]}"
+    # one line, exit 130 (128 + SIGINT), no traceback (it printed 113 lines)
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == ("slimwise_train.eval: interrupted (Ctrl-C): nothing was written "
+                                               "(eval writes its outputs once every generation is done)")
+
+
+@pytest.mark.subprocess
+def test_training_stopped_with_ctrl_c_is_one_line_and_keeps_its_checkpoints(tmp_path):
+    import signal
+
+    from helpers import TINY_TRAIN
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", APPS["train"], *TINY_TRAIN, "progress=false",
+                             "distill.schedule.max_steps=10000", "distill.checkpoint.every=1", "distill.log_every=1",
+                             "distill.eval.every=10000", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:
+            if "step 2/10000" in line:  # step 1's checkpoint is published
+                break
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        "slimwise_train: interrupted (Ctrl-C): the checkpoints written so far stay; rerun the same command "
+        "(resume=auto) to continue from the newest")
+    assert any((run_dir / "checkpoints").glob("step_*/complete"))
+    assert not (run_dir / ".slimwise.lock").exists()  # released on the way out
 
 
 def test_a_key_error_is_a_bug_and_bad_input_is_a_value_error(tmp_path, capsys):

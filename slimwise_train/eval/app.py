@@ -200,7 +200,8 @@ def run_eval(cfg) -> dict:
 register_configs()
 
 
-@hydra_app(CONF_DIR, "eval", "slimwise_train.eval", schema=EvalAppConfig, check=check_known_keys)
+@hydra_app(CONF_DIR, "eval", "slimwise_train.eval", schema=EvalAppConfig, check=check_known_keys,
+           interrupted="nothing was written (eval writes its outputs once every generation is done)")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.eval"):

@@ -105,7 +105,8 @@ def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta
 register_configs()
 
 
-@hydra_app(CONF_DIR, "prune", "slimwise_train.prune", schema=PruneAppConfig, check=check_known_keys)
+@hydra_app(CONF_DIR, "prune", "slimwise_train.prune", schema=PruneAppConfig, check=check_known_keys,
+           interrupted="nothing was written (prune writes its outputs at the end; statistics already cached stay)")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.prune"):

@@ -321,7 +321,8 @@ def _print_help(task: Callable, conf_dir: str, config_name: str, prog: str, sche
 
 def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = True,
               schema: type | None = None, check: Callable | None = None,
-              moved: Callable[[str], str | None] | None = None) -> Callable[[Callable], Callable[[], None]]:
+              moved: Callable[[str], str | None] | None = None,
+              interrupted: str = "nothing of this run was kept") -> Callable[[Callable], Callable[[], None]]:
     """`@hydra.main` for the slimwise apps, with what each of them needs before and around the job:
 
     - the overrides are composed first, so a bad one (an unknown preset, `world_size=abc`) is one line and exit 2
@@ -332,6 +333,8 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
       computes nothing and its `json_only` output must stay one line);
     - `-h` / `--help` print the app's own help (groups with their presets, every key with its value and the
       description from `schema`, the typed app config; default: the composed config's own type), exit 0;
+    - Ctrl-C is one line, `<prog>: interrupted (Ctrl-C): <interrupted>` (what of the run is kept and how to go on),
+      and exit 130 (128 + SIGINT), not a traceback;
       `--hydra-help` is Hydra's;
     - `check(cfg, schema)` (the apps: config.check_known_keys) runs on every composed variant before anything is
       created: a value outside a Literal field's choices is one line and exit 2, and no folder;
@@ -374,7 +377,10 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
             cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")], conf_dir,
                                    check, schema, moved)
             if multirun or cfg is None:
-                return run_hydra()
+                try:
+                    return run_hydra()
+                except KeyboardInterrupt:
+                    _exit_with(f"{prog}: interrupted (Ctrl-C): {interrupted}", 130)
             from omegaconf import OmegaConf
 
             from slimwise_train.utils.rundir import check_writable
@@ -401,7 +407,7 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
                 raise
             except KeyboardInterrupt:
                 run_folder.undo(only_if_untouched=True)
-                raise
+                _exit_with(f"{prog}: interrupted (Ctrl-C): {interrupted}", 130)
 
         return main
 
