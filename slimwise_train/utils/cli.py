@@ -43,14 +43,19 @@ def _report_to_torchrun(line: str) -> None:
 
 
 @contextlib.contextmanager
-def user_errors(prog: str) -> Iterator[None]:
+def user_errors(prog: str, interrupted: str | None = None) -> Iterator[None]:
     """Turn a user error into `<prog>: error: <message>` on stderr and exit code 2 (no traceback); a MachineFault or
-    a full disk into one such line and exit code 1.
+    a full disk into one such line and exit code 1; with `interrupted` (what of the run is kept), Ctrl-C into
+    `<prog>: interrupted (Ctrl-C): <interrupted>` and exit code 130.
 
     Under torchrun only rank 0 prints it (every rank hits the same bad input); the others exit quietly with the
     same code."""
     try:
         yield
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        _exit_with(f"{prog}: interrupted (Ctrl-C): {interrupted}", 130)
     except USER_ERRORS as exc:
         _exit_with(f"{prog}: error: {exc}", 2)
     except Exception as exc:
