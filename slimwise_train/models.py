@@ -46,19 +46,52 @@ def _looks_local(path: str) -> bool:
     return path.startswith(("/", ".", "~")) or path.count("/") != 1 or Path(path).exists()
 
 
+_HUB_PROBES: dict[str, str | None] = {}
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the hub cannot be reached (one TCP connection to HF_ENDPOINT's host, at most `timeout` s, once per process),
+    or None: it answers, HF_HUB_OFFLINE is set (nothing will be fetched), or a proxy is configured (the direct probe
+    would say nothing about the route the downloads take)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    key = f"{host}:{port}"
+    if key not in _HUB_PROBES:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            _HUB_PROBES[key] = None
+        except OSError as exc:
+            _HUB_PROBES[key] = f"{key}: {exc.strerror or exc}"
+    return _HUB_PROBES[key]
+
+
 def from_pretrained_or_explain(load, path: str, what: str = "model.path", **kwargs):
     """`load(path, **kwargs)` (a from_pretrained), with every way it commonly fails as one ValueError line: a missing
     local folder, a truncated or corrupt weights file, a hub id that cannot be reached offline."""
     path = str(path)
     if _looks_local(path) and not Path(path).expanduser().exists():
         raise ValueError(f"{what}={path}: no such folder; point it at a checkpoint folder or a hub id (owner/name)")
+    unreachable = None if _looks_local(path) else hub_unreachable()
+    if unreachable:  # the local cache only: huggingface_hub would retry each file 5 times (50 s, 22 log lines)
+        kwargs["local_files_only"] = True
     try:
         return load(path, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         if isinstance(exc, ValueError) and "supported MoE" in str(exc):
             raise
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        if not _looks_local(path):
+        if unreachable:
+            hint = (f"it is not in the local cache and the hub cannot be reached ({unreachable}); check the network "
+                    "(or HTTPS_PROXY), or fill the cache where there is one")
+        elif not _looks_local(path):
             hint = ("a hub id needs the network or a filled cache (HF_HUB_OFFLINE is set)" if os.environ.get(
                 "HF_HUB_OFFLINE") in ("1", "true") else "check the id and the network")
         else:

@@ -49,6 +49,10 @@ def tree(root: Path) -> list[str]:
                                              "{kl: 1.0} write ~distill.loss.terms.ce distill.loss.terms.kl=1.0"),
     ("train", "distill.loss.terms.full_kl=1.0", "Key 'full_kl' is not in struct; a new key of a dict is added with "
                                                 "+distill.loss.terms.full_kl=1.0"),
+    # an unquoted non-ASCII path: Hydra's lexer said only LexerNoViableAltException
+    ("prune", "model.path=/tmp/mod\u00e8le", "model.path=/tmp/mod\u00e8le: Hydra's override grammar reads an unquoted "
+                                            "value as ASCII letters, digits and a few symbols only; quote the value for "
+                                            "Hydra inside the shell's quotes: 'model.path=\"/tmp/mod\u00e8le\"'"),
 ])
 @pytest.mark.subprocess
 def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override, expected):

@@ -211,6 +211,28 @@ def _add_with_plus(overrides: list[str], exc: BaseException) -> str:
     return ""
 
 
+def _unquoted_value(overrides: list[str]) -> str | None:
+    """The fix for an override Hydra's grammar cannot read unquoted (a non-ASCII path: Hydra says only
+    `LexerNoViableAltException: <override>`): quote the value for Hydra, inside the shell's quotes. None when every
+    override parses alone (the error is another one)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except HydraException:
+            key, sep, value = override.partition("=")
+            if not sep or value[:1] in ("'", '"'):
+                continue
+            # Hydra's quotes inside the shell's: '"..."' in single quotes, or "'...'" where the value holds a "
+            fix = f"'{key}=\"{value}\"'" if '"' not in value else f"\"{key}='{value}'\""
+            return (f"{override}: Hydra's override grammar reads an unquoted value as ASCII letters, digits and a few "
+                    f"symbols only; quote the value for Hydra inside the shell's quotes: {fix}")
+    return None
+
+
 def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir: str,
                      check: Callable | None = None, schema: type | None = None,
                      moved: Callable[[str], str | None] | None = None):
@@ -243,7 +265,9 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir
         plain = isinstance(exc, ValueError) and not isinstance(exc, (HydraException, OmegaConfBaseException))
         # a flat distill key of before the groups (distill.lr): where it moved, rather than Hydra's "not in struct"
         renamed = _moved_key(overrides, exc, moved) if moved is not None and not plain else None
-        line = f"{prog}: error: {renamed or (exc if plain else _one_line(exc) + _add_with_plus(overrides, exc))}"
+        quoted = _unquoted_value(overrides) if "LexerNoViableAlt" in str(exc) else None
+        hydras = exc if plain else _one_line(exc) + _add_with_plus(overrides, exc)
+        line = f"{prog}: error: {renamed or quoted or hydras}"  # check_known_keys' line, or Hydra's
         if int(os.environ.get("RANK", "0")) == 0:
             print(line, file=sys.stderr)
         _report_to_torchrun(line)
