@@ -270,9 +270,29 @@ def test_bad_model_args_are_one_clear_error(kwargs, message):
 
     if "cuda" in str(kwargs.get("device")) and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(ValueError) as info:
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
         SlimwiseLM(pretrained=str(TEACHER), progress=False, **kwargs)
     assert message in str(info.value)
+
+
+def test_a_missing_keep_set_or_student_is_named_by_its_model_arg_before_the_model_loads(tmp_path, monkeypatch):
+    import slimwise_train.models as models
+    from slimwise_train.lm_eval.model import SlimwiseLM
+    from slimwise_train.moe.keepset import LayerKeep
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the model loaded before the missing file was named")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    with pytest.raises(FileNotFoundError, match=f"^keep_set={tmp_path / 'missing.json'}: no such file"):
+        SlimwiseLM(pretrained=str(TEACHER), mode="slimwise", keep_set=str(tmp_path / "missing.json"), device="cpu")
+    text = models.load_config(compose_config("eval", "model=teacher", "output_dir=/tmp/x").model)
+    keep = tmp_path / "keep_set.json"
+    KeepSet(tuple(LayerKeep(i, text.num_experts, text.num_experts_per_tok, tuple(range(text.num_experts // 2)))
+                  for i in range(text.num_hidden_layers)), text.model_type).save(keep)
+    with pytest.raises(FileNotFoundError, match=f"^student={tmp_path / 'nowhere'} is not a checkpoint folder"):
+        SlimwiseLM(pretrained=str(TEACHER), mode="distilled", keep_set=str(keep), student=str(tmp_path / "nowhere"),
+                   device="cpu")
 
 
 def test_sampling_generation_kwargs_are_refused(assets):
