@@ -50,7 +50,7 @@ from slimwise_train.utils import distributed as du
 from slimwise_train.utils.distributed import full_shape
 from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
 from slimwise_train.utils.hf import text_config
-from slimwise_train.utils.rundir import claim_output_dir
+from slimwise_train.utils.rundir import check_outputs_spare_inputs, claim_output_dir
 
 log = logging.getLogger("slimwise.train")
 
@@ -69,6 +69,7 @@ def validate_train_config(cfg) -> None:
     does): unknown keys, values no run can use (distill.optim.lr <= 0, zero steps, an unknown loss term or a negative
     weight, ...), a data source that is neither a recipe, a local file or folder nor a hub id."""
     from slimwise_train.data.loading import check_source
+    from slimwise_train.models import resolve_path
     from slimwise_train.prune.criteria import validate_prune_config
 
     check_known_keys(cfg, TrainAppConfig)
@@ -87,6 +88,14 @@ def validate_train_config(cfg) -> None:
     validate_engine_config(cfg.engine, d)
     B.SplitRule.from_config(d.split)
     lora_from_config(d.trainable)  # a bad distill.trainable preset or override fails before the model loads
+    # e.g. model.path=<this output_dir>/export (distilling on from a run's export into its own folder): the end of the
+    # run would write its export over the model it trains on
+    out = Path(cfg.output_dir)
+    check_outputs_spare_inputs(
+        {name: out / name for name in RUN_OUTPUTS if name != "checkpoints"},
+        {"model.path": resolve_path(cfg.model.path), "model.tokenizer": resolve_path(cfg.model.tokenizer),
+         "data.source": cfg.data.source, "calibration.source": cfg.calibration.source,
+         "prune.scores": cfg.prune.scores})
 
 
 def _shown(value) -> str:

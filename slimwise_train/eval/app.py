@@ -29,7 +29,7 @@ from slimwise_train.config import (CONF_DIR, EvalAppConfig, check_known_keys, re
                                    wandb_mode)
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
-from slimwise_train.utils.rundir import check_writable, die_with_launcher
+from slimwise_train.utils.rundir import check_outputs_spare_inputs, check_writable, die_with_launcher
 
 log = logging.getLogger("slimwise.eval")
 
@@ -49,9 +49,16 @@ def keep_set_name(path: str | Path, taken: set[str]) -> str:
 
 def validate_eval_config(cfg) -> None:
     from slimwise_train.eval.generation import STUDENT_MODES, check_families, check_modes_run, check_student_path
+    from slimwise_train.models import resolve_path
 
     check_known_keys(cfg, EvalAppConfig)
     check_writable(Path(cfg.output_dir), create=False)
+    out = Path(cfg.output_dir)
+    check_outputs_spare_inputs(
+        {name: out / name for name in ("results.json", "report.md", "eval_config.yaml", "generations.jsonl")},
+        {"model.path": resolve_path(cfg.model.path), "model.tokenizer": resolve_path(cfg.model.tokenizer),
+         "eval.student": cfg.eval.student, "eval.recipe": cfg.eval.recipe,
+         **{f"eval.keep_sets[{i}]": path for i, path in enumerate(cfg.eval.keep_sets)}})
     ev = cfg.eval
     # unknown or empty eval.modes, or none that can run with these keep sets and student (before the model loads)
     check_modes_run(list(ev.modes), bool(ev.keep_sets), bool(ev.student))

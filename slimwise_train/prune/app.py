@@ -26,9 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from slimwise_train.config import CONF_DIR, PruneAppConfig, check_known_keys, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
-from slimwise_train.utils.rundir import check_writable, claim_output_dir, die_with_launcher
+from slimwise_train.utils.rundir import (check_outputs_spare_inputs, check_writable, claim_output_dir,
+                                         die_with_launcher)
 
 log = logging.getLogger("slimwise.prune")
+# what _write_outputs writes into output_dir (pruned/ is replaced whole)
+OUTPUTS = ("pruned", "scores.safetensors", "keep_set.json", "router_mask.safetensors", "prune_config.yaml",
+           "prune_summary.json")
 
 
 def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
@@ -43,7 +47,7 @@ def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
 
 def run_prune(cfg) -> dict:
     """The whole prune job; returns the summary. Importable for tests and notebooks."""
-    from slimwise_train.models import load_model
+    from slimwise_train.models import load_model, resolve_path
     from slimwise_train.moe.adapters import get_adapter
     from slimwise_train.moe.keepset_rules import check_exportable, check_fits
     from slimwise_train.prune.criteria import validate_prune_config
@@ -55,6 +59,10 @@ def run_prune(cfg) -> dict:
         raise ValueError(f"prune.keep_set={cfg.prune.keep_set} is what the trainer and eval read; the prune app "
                          "scores a new keep set: drop prune.keep_set (or pass it to python -m slimwise_train / eval)")
     check_writable(Path(cfg.output_dir), create=False)
+    out = Path(cfg.output_dir)
+    check_outputs_spare_inputs({name: out / name for name in OUTPUTS},
+                               {"model.path": resolve_path(cfg.model.path),
+                                "model.tokenizer": resolve_path(cfg.model.tokenizer), "data.source": cfg.data.source})
     model, tokenizer = load_model(cfg.model, cfg.device)
     adapter = get_adapter(model)
     keep_set, stats, stats_meta, fingerprint = score_keep_set(model, tokenizer, cfg)
