@@ -727,3 +727,22 @@ def test_lengths_report_orders_conventional_distilled_before_distilled():
     runs = [({"run": m, "mode": m, "model": "m", "mode_description": m, "tasks": {}, "written_at": k}, records)
             for k, m in enumerate(["distilled", "conventional_distilled", "full"])]
     assert [r["mode"] for r in combined_results(runs)["runs"]] == ["full", "conventional_distilled", "distilled"]
+
+
+def test_the_report_has_one_table_per_keep_set_content_not_per_path():
+    from slimwise_train.lm_eval.lengths import combined_results
+
+    records = [{"task": "t", "doc_id": 0, "idx": 0, "num_tokens": 3, "budget": 8}]
+
+    def run(mode, path, digest, at):
+        return ({"run": f"{mode}-{at}", "mode": mode, "model": "m", "mode_description": mode, "tasks": {},
+                 "written_at": at, "keep_set": path, "keep_set_digest": digest, "num_kept": [2], "num_experts": [4]},
+                records)
+
+    # the same keep set by two paths: one table; two keep sets whose paths end alike: two
+    same = combined_results([run("slimwise", "a/r0.5/keep_set.json", "d1", 1),
+                             run("conventional", "./a/r0.5/keep_set.json", "d1", 2)])
+    assert list(same["keep_sets"]) == ["r0.5"]
+    two = combined_results([run("slimwise", "a/r0.5/keep_set.json", "d1", 1),
+                            run("slimwise", "b/r0.5/keep_set.json", "d2", 2)])
+    assert list(two["keep_sets"]) == ["r0.5", "r0.5-2"]

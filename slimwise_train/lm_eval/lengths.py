@@ -227,9 +227,12 @@ def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
         keep = None
         if summary["mode"] != "full" and summary.get("keep_set"):
             path = summary["keep_set"]
-            if path not in taken:
-                taken[path] = keep_set_name(path, set(taken.values()))
-            keep = taken[path]
+            # one table per keep set by content: the same keep set named by two paths is one, two keep sets whose
+            # paths end alike are two (summaries written before 2026-12-07 have no digest: by path)
+            same = summary.get("keep_set_digest") or path
+            if same not in taken:
+                taken[same] = keep_set_name(path, set(taken.values()))
+            keep = taken[same]
             keep_sets[keep] = {"path": path, "num_kept": summary.get("num_kept"),
                                "num_experts": summary.get("num_experts"), "keep_fraction": summary.get("keep_fraction")}
             if summary.get("top_k"):  # summaries written before 2026-12-02 lack it: no bound in their report

@@ -458,6 +458,7 @@ class SlimwiseLM(TemplateLM):
             info["num_experts"] = [layer.num_experts for layer in self.keep_set]
             info["top_k"] = [layer.top_k for layer in self.keep_set]  # the report's expert-bytes bound
             info["keep_fraction"] = self.keep_set.keep_fraction
+            info["keep_set_digest"] = self.keep_set.digest()  # the report's tables: one per keep set content
             info["run_digest"] = self.run_digest()
         return info
 
