@@ -633,3 +633,19 @@ def test_the_shipped_deep_teacher_loads_by_name_and_answers_its_held_out_problem
     accuracy = {row["family"]: row["accuracy"] for row in results["rows"]}
     assert set(accuracy) == {*families, "all"}
     assert accuracy["all"] >= 18 / 21, accuracy  # 0.9 per family on 100 leaves ~2 of 21 wrong
+
+
+def test_a_student_distilled_from_another_model_is_refused_before_it_loads(tmp_path):
+    from slimwise_train.eval.generation import _check_distilled_from, load_student
+    from slimwise_train.utils.fingerprint import model_cache_fingerprint
+
+    model = tiny_model("qwen3_moe")
+    folder = tmp_path / "student"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "slimwise_export.json").write_text(json.dumps({"cache_fingerprint": "0" * 64}))
+    with pytest.raises(ValueError, match=r"^eval.student=.*student was distilled from another model .*cache "
+                                         r"fingerprint 000000000000.*evaluate it with the model it was trained from"):
+        load_student(folder, model)
+    (folder / "slimwise_export.json").write_text(json.dumps({"cache_fingerprint": model_cache_fingerprint(model)}))
+    _check_distilled_from(folder, model, "eval.student")  # its own teacher: no error
