@@ -57,7 +57,7 @@ log = logging.getLogger("slimwise.train")
 # Everything a run writes into its output_dir (resume=never moves an earlier run's into replaced/<time>/, checkpoints
 # first): keep this list in step with the writers below (tests/test_checkpoint.py trains and compares).
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "train_config.yaml", "keep_set.json", "loss_curve.png",
-               "student_trainable.safetensors", "adapter", "export", "wandb")
+               "student_trainable.safetensors", "adapter", "export", "wandb", "wandb_run_id")
 
 
 class NonFiniteLossError(RuntimeError):
