@@ -40,9 +40,11 @@ def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=Non
     with loading.gathered_inference(model) if loading else contextlib.nullcontext():
         stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key=data_key)
     du.barrier()  # rank 0 has written the statistics cache: a next job (a sweep) sees it on every rank
-    # meta.model and meta.weights: what the keep-set rules compare a later run's model with (moe/keepset_rules.py)
-    meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
-            **provenance(model_weights(cfg.model)), "statistics": source}
+    # meta.model and meta.weights: what the keep-set rules compare a later run's model with (moe/keepset_rules.py);
+    # rank 0 reads the weight files, once, for every rank
+    weights = du.broadcast_object(provenance(model_weights(cfg.model)) if du.is_rank0() else None)
+    meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope, **weights,
+            "statistics": source}
     keep_set = keep_set_from_scores(model, get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio,
                                     cfg.prune.scope, adapter=adapter, meta=meta)
     return Scored(keep_set, stats, stats_meta, fingerprint)
