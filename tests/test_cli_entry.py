@@ -80,6 +80,8 @@ def test_a_whole_dict_override_is_refused_with_the_spelling_that_makes_that_dict
     # the same keys as there (only values change), and a null field given a dict, pass as Hydra means them
     _check_whole_dict_overrides(["distill.loss.terms={ce:0.5,kl:0.5}"], lambda lines: compose_config("train", *lines))
     _check_whole_dict_overrides(["eval.budget={math:3}", "output_dir=x"], lambda lines: compose_config("eval", *lines))
+    with pytest.raises(ValueError, match="it would keep ce, kl"):  # + merges into a dict that is there, too
+        _check_whole_dict_overrides(["+distill.loss.terms={full_kl:1.0}"], lambda lines: compose_config("train", *lines))
 
 
 @pytest.mark.subprocess

@@ -170,13 +170,13 @@ def _check_whole_dict_overrides(variant: list[str], compose: Callable[[list[str]
     from omegaconf import OmegaConf
 
     parsed = OverridesParser.create().parse_overrides(variant)
-    whole = {i: o for i, o in enumerate(parsed)
-             if not (o.is_add() or o.is_delete() or o.is_force_add()) and isinstance(o.value(), dict)}
+    # `+key={...}` and `++key={...}` on a dict that is there merge the same way
+    whole = {i: o for i, o in enumerate(parsed) if not o.is_delete() and isinstance(o.value(), dict)}
     if not whole:
         return
     base = compose([line for i, line in enumerate(variant) if i not in whole])
     for i, override in whole.items():
-        key = override.get_key_element()
+        key = override.key_or_group
         there = OmegaConf.select(base, key, default=None)
         if not OmegaConf.is_dict(there):
             continue
@@ -186,7 +186,8 @@ def _check_whole_dict_overrides(variant: list[str], compose: Callable[[list[str]
         kept, added = [k for k in there if k not in given], [k for k in given if k not in there]
         effect = "; ".join(part for part in (
             f"it would keep {', '.join(map(str, kept))}" if kept else "",
-            f"it cannot add {', '.join(map(str, added))} that way" if added else "") if part)
+            f"it cannot add {', '.join(map(str, added))} that way"
+            if added and not (override.is_add() or override.is_force_add()) else "") if part)
         spelling = [f"~{key}.{k}" for k in kept]
         spelling += [f"{'' if k in there else '+'}{key}.{k}={v}" for k, v in given.items()]
         raise ValueError(f"{variant[i]}: Hydra merges a dict given whole into the one there ({_shown_dict(there)}): "
