@@ -195,4 +195,10 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except SystemExit as exc:
+        if type(exc).__name__ != "UsageError":  # train_teacher.py's bad flags: its one line, exit status 2
+            raise
+        print(f"train_deep_teacher.py: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -278,12 +278,67 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+class UsageError(SystemExit):
+    """Bad flags: `train_teacher.py: error: <message>` on one line and exit status 2 (run as a script), raised before
+    anything trains or is written; callers in the same process read the message from str()."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def check_flags(args) -> None:
+    """Every flag no run can use, and an --out that would be refused only after the whole budget (55 min by default),
+    refused now in one line naming the flag and the fix."""
+    from slimwise_train.utils.rundir import check_writable
+
+    at_least = {"layers": 1, "hidden": 4, "experts": 1, "top_k": 1, "moe_intermediate": 1, "max_steps": 1, "warmup": 1,
+                "batch": 1, "threads": 1, "eval_n": 1, "final_eval": 1, "max_positions": 2, "seq_len": 2,
+                "log_every": 1, "examples_per_chunk": 1}
+    for name, low in at_least.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            raise UsageError(f"--{name.replace('_', '-')} {value} is invalid: it must be an integer >= {low}")
+    for name in ("lr", "minutes", "eval_every", "checkpoint_every"):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UsageError(f"--{name.replace('_', '-')} {value} is invalid: it must be a finite number > 0")
+    for name in ("final_lr", "target", "aux"):  # target above 1: never stop early (the deep preset's)
+        value = getattr(args, name, None)
+        high = 1.0 if name == "final_lr" else None
+        if value is not None and not (math.isfinite(value) and value >= 0 and (high is None or value <= high)):
+            raise UsageError(f"--{name.replace('_', '-')} {value} is invalid: it must be a finite number in "
+                             f"[0, {high if high is not None else 'inf'}]")
+    if args.top_k > args.experts:
+        raise UsageError(f"--top-k {args.top_k} exceeds --experts {args.experts}: the router picks top-k of the "
+                         "experts; lower --top-k or raise --experts")
+    if args.hidden % 4:
+        raise UsageError(f"--hidden {args.hidden} is not a multiple of 4 (4 attention heads share it); pass e.g. "
+                         f"--hidden {args.hidden - args.hidden % 4 or 4}")
+    out = Path(args.out)
+    if args.preset != "deep" and out.exists() and not args.overwrite:
+        raise UsageError(f"--out {out} exists (the default is the shipped teacher); pass --overwrite to replace it "
+                         "at the end of training, or another --out")
+    if (args.preset == "deep" and not args.resume and not args.overwrite and out.is_dir()
+            and not (out / "checkpoint").exists() and any(out.iterdir())):
+        raise UsageError(f"--out {out} holds something other than a deep-teacher run (the default is the shipped "
+                         "teacher); pass an empty or new --out, or --overwrite to write checkpoint/ and final/ into it")
+    try:  # the plain teacher replaces --out from its parent at the end; the deep one writes inside --out as it goes
+        check_writable(out if args.preset == "deep" else out.parent, what="--out", create=False)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def main(argv=None):
     args = parse_args(argv)
+    check_flags(args)
     if args.preset != "deep" and (args.mix is not None or args.warm_params is not None or args.warm_chunks):
-        raise SystemExit("--mix, --warm-params and --warm-chunks shape the long-context suite: add --preset deep")
+        raise UsageError("--mix, --warm-params and --warm-chunks shape the long-context suite: add --preset deep")
     if args.preset != "deep" and args.grow_from is not None:
-        raise SystemExit("--grow-from starts the deep teacher from a shallower one: add --preset deep")
+        raise UsageError("--grow-from starts the deep teacher from a shallower one: add --preset deep")
     if args.preset == "deep":
         return train_deep(args)
 
@@ -391,7 +446,7 @@ def save_checkpoint(folder: Path, model, optimizer, state: dict) -> None:
 def load_checkpoint_state(folder: Path) -> dict:
     """state.json of a checkpoint folder, or a one-line error naming --resume and the fix."""
     if not (folder / "state.json").is_file():
-        raise SystemExit(f"--resume: no checkpoint at {folder}; run without --resume first, or pass the --out of "
+        raise UsageError(f"--resume: no checkpoint at {folder}; run without --resume first, or pass the --out of "
                          "the run to continue")
     return json.loads((folder / "state.json").read_text())
 
@@ -408,7 +463,7 @@ def deep_args_for_resume(args, state: dict) -> argparse.Namespace:
         merged["warm_from_chunk"] = state["position"][0]  # the curriculum starts at this run's data position
     if args.extend_schedule is not None:
         if args.extend_schedule < state["step"]:
-            raise SystemExit(f"--extend-schedule {args.extend_schedule} is before the checkpoint's step "
+            raise UsageError(f"--extend-schedule {args.extend_schedule} is before the checkpoint's step "
                              f"{state['step']}; pass a step count >= {state['step']}")
         merged["max_steps"] = args.extend_schedule
         merged["end_at"] = None  # the longer schedule runs to its end
@@ -437,14 +492,14 @@ def load_growth_source(args, want: Qwen3MoeConfig):
         return None
     path = Path(args.grow_from)
     if not (path / "config.json").is_file():
-        raise SystemExit(f"--grow-from {path}: no config.json there; pass a saved Qwen3-MoE teacher folder or none")
+        raise UsageError(f"--grow-from {path}: no config.json there; pass a saved Qwen3-MoE teacher folder or none")
     source = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     differ = [f"{key} {getattr(source.config, key, None)} (run: {getattr(want, key, None)})" for key in GROWTH_SHAPE
               if getattr(source.config, key, None) != getattr(want, key, None)]
     if source.config.num_hidden_layers > args.layers:
         differ.append(f"num_hidden_layers {source.config.num_hidden_layers} (run: {args.layers}, must be >= it)")
     if differ:
-        raise SystemExit(f"--grow-from {path} does not fit this run: {'; '.join(differ)}; match the flags "
+        raise UsageError(f"--grow-from {path} does not fit this run: {'; '.join(differ)}; match the flags "
                          "(--hidden, --experts, --top-k, --moe-intermediate, --layers) or pass --grow-from none")
     return source
 
@@ -484,22 +539,22 @@ def train_deep(args) -> None:
     ckpt = out / "checkpoint"
     state = None
     if args.extend_schedule is not None and not args.resume:
-        raise SystemExit("--extend-schedule lengthens a resumed run's schedule; pass --resume too, or --max-steps "
+        raise UsageError("--extend-schedule lengthens a resumed run's schedule; pass --resume too, or --max-steps "
                          "for a new run")
     if (args.warm_params is None) != (args.warm_chunks <= 0):
-        raise SystemExit("--warm-params and --warm-chunks go together: give both (--warm-chunks N > 0) or neither")
+        raise UsageError("--warm-params and --warm-chunks go together: give both (--warm-chunks N > 0) or neither")
     if args.resume:
         state = load_checkpoint_state(ckpt)
         args = deep_args_for_resume(args, state)
     elif ckpt.exists() and not args.overwrite:
-        raise SystemExit(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
+        raise UsageError(f"--out {out} already holds a checkpoint; pass --resume to continue it or --overwrite to "
                          "start over")
     end_at = args.max_steps if getattr(args, "end_at", None) is None else args.end_at
     if not 1 <= end_at <= args.max_steps:
-        raise SystemExit(f"--end-at {end_at} must be between 1 and --max-steps {args.max_steps}; pass a step "
+        raise UsageError(f"--end-at {end_at} must be between 1 and --max-steps {args.max_steps}; pass a step "
                          "inside the schedule")
     if args.seq_len > args.max_positions:
-        raise SystemExit(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
+        raise UsageError(f"--seq-len {args.seq_len} exceeds --max-positions {args.max_positions}; raise "
                          "--max-positions")
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     config = teacher_config(tokenizer, args) if state is None else None
@@ -665,4 +720,8 @@ def train_deep(args) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UsageError as exc:
+        print(f"train_teacher.py: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -406,6 +406,9 @@ class EvalConfig:
     budget_factor: float = 2.0  # budget = budget_factor x the longest reference answer, per family (eval.budget=null)
     batch_size: int = 32  # problems generated together (left-padded batch)
     save_generations: bool = False  # also write generations.jsonl (every output text, per mode and keep set)
+    # a keep set scored on other weights than model (its meta records another model) is refused unless this is true:
+    # then it is evaluated with a warning that the model changed (the trainer's distill.allow_foreign_keep_set)
+    allow_foreign_keep_set: bool = False
 
 
 @dataclass

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from slimwise_train.config import ModelDtype
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.utils.distributed import is_partitioned
-from slimwise_train.utils.hf import text_config
+from slimwise_train.utils.hf import resolve_path, text_config
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 SHIPPED_TOKENIZER = ASSETS / "tokenizer"
@@ -42,20 +42,35 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def resolve_path(path: str | None) -> str | None:
-    """Relative local paths are tried against the working directory, then the repository root (so shipped
-    assets resolve from anywhere); anything else (a hub id) is returned unchanged."""
-    if path is None or Path(path).is_absolute() or Path(path).exists():
-        return path
-    candidate = REPO_ROOT / path
-    return str(candidate) if candidate.exists() else path
-
-
 def _looks_local(path: str) -> bool:
     return path.startswith(("/", ".", "~")) or path.count("/") != 1 or Path(path).exists()
+
+
+_HUB_PROBES: dict[str, str | None] = {}
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the hub cannot be reached (one TCP connection to HF_ENDPOINT's host, at most `timeout` s, once per process),
+    or None: it answers, HF_HUB_OFFLINE is set (nothing will be fetched), or a proxy is configured (the direct probe
+    would say nothing about the route the downloads take)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return None
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    key = f"{host}:{port}"
+    if key not in _HUB_PROBES:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            _HUB_PROBES[key] = None
+        except OSError as exc:
+            _HUB_PROBES[key] = f"{key}: {exc.strerror or exc}"
+    return _HUB_PROBES[key]
 
 
 def from_pretrained_or_explain(load, path: str, what: str = "model.path", **kwargs):
@@ -64,13 +79,19 @@ def from_pretrained_or_explain(load, path: str, what: str = "model.path", **kwar
     path = str(path)
     if _looks_local(path) and not Path(path).expanduser().exists():
         raise ValueError(f"{what}={path}: no such folder; point it at a checkpoint folder or a hub id (owner/name)")
+    unreachable = None if _looks_local(path) else hub_unreachable()
+    if unreachable:  # the local cache only: huggingface_hub would retry each file 5 times (50 s, 22 log lines)
+        kwargs["local_files_only"] = True
     try:
         return load(path, **kwargs)
     except (OSError, ValueError, RuntimeError) as exc:
         if isinstance(exc, ValueError) and "supported MoE" in str(exc):
             raise
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        if not _looks_local(path):
+        if unreachable:
+            hint = (f"it is not in the local cache and the hub cannot be reached ({unreachable}); check the network "
+                    "(or HTTPS_PROXY), or fill the cache where there is one")
+        elif not _looks_local(path):
             hint = ("a hub id needs the network or a filled cache (HF_HUB_OFFLINE is set)" if os.environ.get(
                 "HF_HUB_OFFLINE") in ("1", "true") else "check the id and the network")
         else:
@@ -182,3 +203,33 @@ def model_identity(model_cfg) -> str:
     if model_cfg.tiny:
         return f"tiny:{model_cfg.tiny}:seed={model_cfg.seed}"
     return f"{model_cfg.path}@{model_cfg.revision or 'main'}"
+
+
+def model_weights(model_cfg):
+    """The model of `model_cfg` as the keep-set rules compare it (`moe.keepset_rules.ModelWeights`), without loading
+    it: a tiny random model by its recipe (type, seed, overrides, tokenizer: what builds its weights), a checkpoint by
+    its local folder, a hub id by its snapshot in the local cache (none when it is not cached)."""
+    import json
+
+    from slimwise_train.moe.keepset_rules import ModelWeights
+
+    identity = model_identity(model_cfg)
+    if model_cfg.tiny:
+        recipe = {"tiny": model_cfg.tiny, "seed": int(model_cfg.seed), "tokenizer": model_cfg.tokenizer,
+                  "overrides": dict(model_cfg.tiny_overrides or {})}
+        return ModelWeights(identity, recipe=json.dumps(recipe, sort_keys=True, default=str))
+    path = resolve_path(str(model_cfg.path))
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        folder = _cached_snapshot(path, model_cfg.revision)
+    return ModelWeights(identity, folder=os.path.realpath(folder) if folder else None)
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path | None:
+    """The local snapshot folder of a hub id in the Hugging Face cache, without the network; None when not cached."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # not cached, or not a valid id: the model load names the problem
+        return None

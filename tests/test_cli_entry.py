@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from slimwise_train.utils.cli import _override_variants, threads_for_this_process
+from slimwise_train.utils.cli import _check_whole_dict_overrides, _override_variants, threads_for_this_process
 
-from helpers import APPS
+from helpers import APPS, compose_config
 from helpers import CHILD_ENV as ENV
 
 
@@ -43,6 +43,16 @@ def tree(root: Path) -> list[str]:
     ("plan", "world_size=1.5", "world_size=1.5: Value '1.5' of type 'float' could not be converted to Integer"),
     ("prune", "prune.ratoi=0.3", "Key 'ratoi' not in 'PruneConfig'; did you mean ratio?"),
     ("eval", "eval.budget=lots", "eval.budget must be >= 1 token per family"),
+    # a dict given whole is merged by Hydra, not replaced: ce would keep training at 0.1
+    ("train", "distill.loss.terms={kl:1.0}", "distill.loss.terms={kl:1.0}: Hydra merges a dict given whole into the one "
+                                             "there ({ce: 0.1, kl: 0.9}): it would keep ce; to make distill.loss.terms "
+                                             "{kl: 1.0} write ~distill.loss.terms.ce distill.loss.terms.kl=1.0"),
+    ("train", "distill.loss.terms.full_kl=1.0", "Key 'full_kl' is not in struct; a new key of a dict is added with "
+                                                "+distill.loss.terms.full_kl=1.0"),
+    # an unquoted non-ASCII path: Hydra's lexer said only LexerNoViableAltException
+    ("prune", "model.path=/tmp/mod\u00e8le", "model.path=/tmp/mod\u00e8le: Hydra's override grammar reads an unquoted "
+                                            "value as ASCII letters, digits and a few symbols only; quote the value for "
+                                            "Hydra inside the shell's quotes: 'model.path=\"/tmp/mod\u00e8le\"'"),
 ])
 @pytest.mark.subprocess
 def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override, expected):
@@ -53,6 +63,25 @@ def test_a_bad_override_is_one_line_and_creates_nothing(tmp_path, app, override,
     assert "_schema" not in line  # the typed schemas Hydra lists as choices are not presets
     assert tree(tmp_path) == []
     assert time.perf_counter() - start < 60  # before any model loads
+
+
+@pytest.mark.parametrize("given, expected", [
+    ("{kl:1.0}", {"kl": 1.0}), ("{full_kl:1.0}", {"full_kl": 1.0}),
+    ("{ce:0.2,full_kl:1.0}", {"ce": 0.2, "full_kl": 1.0}),
+    ("{}", {}),
+])
+def test_a_whole_dict_override_is_refused_with_the_spelling_that_makes_that_dict(given, expected):
+    with pytest.raises(ValueError) as caught:
+        _check_whole_dict_overrides([f"distill.loss.terms={given}"],
+                                    lambda lines: compose_config("train", *lines))
+    spelled = str(caught.value).rsplit(" write ", 1)[1].split()
+    if expected:
+        assert dict(compose_config("train", *spelled).distill.loss.terms) == expected
+    # the same keys as there (only values change), and a null field given a dict, pass as Hydra means them
+    _check_whole_dict_overrides(["distill.loss.terms={ce:0.5,kl:0.5}"], lambda lines: compose_config("train", *lines))
+    _check_whole_dict_overrides(["eval.budget={math:3}", "output_dir=x"], lambda lines: compose_config("eval", *lines))
+    with pytest.raises(ValueError, match="it would keep ce, kl"):  # + merges into a dict that is there, too
+        _check_whole_dict_overrides(["+distill.loss.terms={full_kl:1.0}"], lambda lines: compose_config("train", *lines))
 
 
 @pytest.mark.subprocess
@@ -176,10 +205,41 @@ def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_pa
         output = proc.communicate(timeout=120)[0]
     finally:
         proc.kill()
-    assert proc.returncode != 0
     # Once in many CI runs (2026-12-05, an Intel Xeon) the folder and its log stayed: the exit status and the app's
     # last output tell a KeyboardInterrupt the cleanup missed from a process killed by the signal itself (-2).
     assert tree(tmp_path) == [], f"exit status {proc.returncode}; the app's last output:\n{output[-3000:]}"
+    # one line, exit 130 (128 + SIGINT), no traceback (it printed 113 lines)
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == ("slimwise_train.eval: interrupted (Ctrl-C): nothing was written "
+                                               "(eval writes its outputs once every generation is done)")
+
+
+@pytest.mark.subprocess
+def test_training_stopped_with_ctrl_c_is_one_line_and_keeps_its_checkpoints(tmp_path):
+    import signal
+
+    from helpers import TINY_TRAIN
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", APPS["train"], *TINY_TRAIN, "progress=false",
+                             "distill.schedule.max_steps=10000", "distill.checkpoint.every=1", "distill.log_every=1",
+                             "distill.eval.every=10000", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:
+            if "step 2/10000" in line:  # step 1's checkpoint is published
+                break
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == (
+        "slimwise_train: interrupted (Ctrl-C): the checkpoints written so far stay; rerun the same command "
+        "(resume=auto) to continue from the newest")
+    assert any((run_dir / "checkpoints").glob("step_*/complete"))
+    assert not (run_dir / ".slimwise.lock").exists()  # released on the way out
 
 
 def test_a_key_error_is_a_bug_and_bad_input_is_a_value_error(tmp_path, capsys):

@@ -13,6 +13,7 @@ import copy
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -318,8 +319,19 @@ def test_long_context_families_are_the_deep_teachers_held_out_problems(setup, tm
     """eval.families takes the long-context families (the deep teacher's): their first held-out problems of seed 0,
     the ones scripts/train_teacher.py --preset deep keeps out of training, scored by the suite's checker."""
     keep = setup["root"] / "r0.5" / "keep_set.json"
-    results = run_eval(_compose(tmp_path / "out", *setup["model_args"], "eval.num_per_family=2", "eval.budget=4",
-                                "eval.families=[lookup,steps]", f"eval.keep_sets=[{keep}]", "eval.modes=[full,slimwise]"))
+    args = ("eval.num_per_family=2", "eval.budget=4", "eval.families=[lookup,steps]", f"eval.keep_sets=[{keep}]",
+            "eval.modes=[full,slimwise]")
+    # The tiny model's 256 positions cannot hold lookup's prompts: refused in one line naming the family and the fix,
+    # nothing written (it used to score 0.00 on positions past the model's).
+    with pytest.raises(ValueError, match=r"^eval.families: lookup: prompts of up to \d+ tokens \+ budget 4 exceed the "
+                                         r"256 positions of .*; drop lookup from eval.families, lower eval.budget"):
+        run_eval(_compose(tmp_path / "refused", *setup["model_args"], *args))
+    assert not (tmp_path / "refused").exists()
+    longer = tmp_path / "model_1k"  # the same weights with room for the prompts
+    shutil.copytree(setup["root"] / "model", longer)
+    config = json.loads((longer / "config.json").read_text())
+    (longer / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    results = run_eval(_compose(tmp_path / "out", f"model.path={longer}", *setup["model_args"][1:], *args))
     assert [p["family"] for p in results["problems"]] == ["lookup", "lookup", "steps", "steps"]
     assert [p["prompt"] for p in results["problems"]] == [
         e.prompt for family in ("lookup", "steps") for e in synthetic.heldout(family, 2, 0)]
@@ -344,9 +356,9 @@ def _different_student(root, model):
 
 
 @pytest.mark.parametrize("case,error,message", [
-    ("missing_keep_set", FileNotFoundError, "keep set file .*missing.json does not exist"),
+    ("missing_keep_set", FileNotFoundError, r"^eval.keep_sets=.*missing.json: no such file; write one with"),
     ("other_model_keep_set", ValueError, "it was made for another model"),
-    ("missing_student", FileNotFoundError, "eval.student .*nowhere is not a checkpoint folder"),
+    ("missing_student", FileNotFoundError, r"^eval.student=.*nowhere is not a checkpoint folder"),
     ("student_of_another_keep_set", ValueError, "eval.student was pruned with a keep set .* none of eval.keep_sets"),
     ("unknown_mode", ValueError, r"^eval.modes=\['full', 'slimwize'\]: 'slimwize' is not one of: full, conventional, "
                                  r"slimwise, reverse, conventional_distill, slimwise_distill$"),
@@ -385,7 +397,7 @@ def test_cli_error_is_one_line_with_exit_code_2(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("slimwise_train.eval")]
-    assert len(lines) == 1 and "missing.json does not exist" in lines[0]
+    assert len(lines) == 1 and "missing.json: no such file" in lines[0]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "results.json").exists()
 
@@ -621,3 +633,19 @@ def test_the_shipped_deep_teacher_loads_by_name_and_answers_its_held_out_problem
     accuracy = {row["family"]: row["accuracy"] for row in results["rows"]}
     assert set(accuracy) == {*families, "all"}
     assert accuracy["all"] >= 18 / 21, accuracy  # 0.9 per family on 100 leaves ~2 of 21 wrong
+
+
+def test_a_student_distilled_from_another_model_is_refused_before_it_loads(tmp_path):
+    from slimwise_train.eval.generation import _check_distilled_from, load_student
+    from slimwise_train.utils.fingerprint import model_cache_fingerprint
+
+    model = tiny_model("qwen3_moe")
+    folder = tmp_path / "student"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "slimwise_export.json").write_text(json.dumps({"cache_fingerprint": "0" * 64}))
+    with pytest.raises(ValueError, match=r"^eval.student=.*student was distilled from another model .*cache "
+                                         r"fingerprint 000000000000.*evaluate it with the model it was trained from"):
+        load_student(folder, model)
+    (folder / "slimwise_export.json").write_text(json.dumps({"cache_fingerprint": model_cache_fingerprint(model)}))
+    _check_distilled_from(folder, model, "eval.student")  # its own teacher: no error

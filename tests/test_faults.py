@@ -172,6 +172,23 @@ def test_hub_id_offline_is_one_line(monkeypatch):
         load_model(ModelConfig(name="x", path="nobody-xyz/no-such-moe"), "cpu")
 
 
+@pytest.mark.subprocess
+def test_a_hub_id_without_network_fails_in_one_line_without_retries(tmp_path):
+    # HF_HUB_OFFLINE unset and the hub unreachable (here: a closed port): huggingface_hub retried every file 5 times
+    # (about 50 s, 20 retry lines) before the one line; one probe of the endpoint now sends it to the cache only.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy",
+                                                            "ALL_PROXY", "all_proxy")}
+    proc = subprocess.run([sys.executable, "-m", "slimwise_train.prune", "model.path=nobody-xyz/no-such-moe",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120,
+                          env={**env, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "Retry" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("slimwise_train.prune: error: model.path=nobody-xyz/no-such-moe: cannot load it")
+    assert "the hub cannot be reached (127.0.0.1:9: Connection refused)" in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_truncated_safetensors_is_one_line(tmp_path):
     from transformers import AutoTokenizer
 

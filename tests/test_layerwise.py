@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from slimwise_train.moe.checkpoint import LazyCheckpoint
 from slimwise_train.moe.keepset import KeepSet
-from slimwise_train.prune.app import run_prune, score_keep_set
+from slimwise_train.prune.app import run_prune
+from slimwise_train.prune.scoring import score_keep_set
 from slimwise_train.prune.criteria import CRITERIA
 from slimwise_train.prune.layerwise import collect_statistics_layerwise, streamed_weights_digest
 from slimwise_train.prune.statistics import collect_statistics, load_scores, weights_digest

@@ -70,6 +70,12 @@ def _lm(assets, mode, **kwargs):
     return SlimwiseLM(pretrained=str(TEACHER), mode=mode, device="cpu", progress=False, **extra, **kwargs)
 
 
+def _one(folder: Path, pattern: str) -> Path:
+    """The one file of `folder` matching `pattern` (run names end in a digest of the keep set and student)."""
+    (path,) = folder.glob(pattern)
+    return path
+
+
 class _Request:
     """What lm-eval hands a model: args, task_name, doc_id, idx."""
 
@@ -141,7 +147,7 @@ def test_per_request_lengths_and_the_report(both_tools, assets):
 
     app, lm_runs = both_tools
     folder = assets["root"] / "lm_eval"
-    records = [json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in _one(folder, "slimwise_lengths_slimwise_keep-*.jsonl").read_text().splitlines()]
     assert len(records) == 3 * PER_FAMILY
     assert {r["end_reason"] for r in records} <= {"eos", "budget"}  # the suite's tasks have no stop strings
     (app_run,) = [r for r in app["runs"] if r["mode"] == "slimwise"]
@@ -264,9 +270,29 @@ def test_bad_model_args_are_one_clear_error(kwargs, message):
 
     if "cuda" in str(kwargs.get("device")) and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(ValueError) as info:
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
         SlimwiseLM(pretrained=str(TEACHER), progress=False, **kwargs)
     assert message in str(info.value)
+
+
+def test_a_missing_keep_set_or_student_is_named_by_its_model_arg_before_the_model_loads(tmp_path, monkeypatch):
+    import slimwise_train.models as models
+    from slimwise_train.lm_eval.model import SlimwiseLM
+    from slimwise_train.moe.keepset import LayerKeep
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the model loaded before the missing file was named")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+    with pytest.raises(FileNotFoundError, match=f"^keep_set={tmp_path / 'missing.json'}: no such file"):
+        SlimwiseLM(pretrained=str(TEACHER), mode="slimwise", keep_set=str(tmp_path / "missing.json"), device="cpu")
+    text = models.load_config(compose_config("eval", "model=teacher", "output_dir=/tmp/x").model)
+    keep = tmp_path / "keep_set.json"
+    KeepSet(tuple(LayerKeep(i, text.num_experts, text.num_experts_per_tok, tuple(range(text.num_experts // 2)))
+                  for i in range(text.num_hidden_layers)), text.model_type).save(keep)
+    with pytest.raises(FileNotFoundError, match=f"^student={tmp_path / 'nowhere'} is not a checkpoint folder"):
+        SlimwiseLM(pretrained=str(TEACHER), mode="distilled", keep_set=str(keep), student=str(tmp_path / "nowhere"),
+                   device="cpu")
 
 
 def test_sampling_generation_kwargs_are_refused(assets):
@@ -386,13 +412,99 @@ def test_cli_runs_offline_and_writes_lengths_beside_lm_evals_results(assets, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     folder = results_file.parent
-    records = [json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text().splitlines()]
+    records = [json.loads(x) for x in _one(folder, "slimwise_lengths_slimwise_keep-*.jsonl").read_text().splitlines()]
     assert len(records) == 9 and all(r["budget"] == 12 and r["reference_tokens"] for r in records)
-    summary = json.loads((folder / "slimwise_summary_slimwise_keep.json").read_text())
+    summary = json.loads(_one(folder, "slimwise_summary_slimwise_keep-*.json").read_text())
     results = json.loads(results_file.read_text())["results"]
     for family in FAMILIES:
         assert summary["tasks"][f"slimwise_{family}"]["accuracy"] == results[f"slimwise_{family}"]["acc,none"]
     assert "| slimwise |" in (folder / "slimwise_report.md").read_text()
+
+
+@pytest.mark.subprocess
+def test_accuracy_is_the_tasks_declared_metric_with_and_without_log_samples(tmp_path):
+    # Without --log_samples the summary takes lm-eval's aggregate; it once took the first number of the task's results,
+    # lm-eval's `sample_len` (2 documents at --limit 2), as the accuracy.
+    for flags in ([], ["--log_samples"]):
+        out = tmp_path / f"out{len(flags)}"
+        proc = _cli(["--model", "slimwise", "--model_args", f"pretrained={TEACHER},mode=full,progress=false",
+                     "--tasks", "slimwise_math", "--limit", "2", "--gen_kwargs", "max_gen_toks=4", "--output_path",
+                     str(out), *flags], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (results_file,) = out.rglob("results_*.json")
+        results = json.loads(results_file.read_text())["results"]["slimwise_math"]
+        assert results["sample_len"] == 2
+        row = json.loads(next(out.rglob("slimwise_summary_full.json")).read_text())["tasks"]["slimwise_math"]
+        assert row["accuracy"] == results["acc,none"], (flags, row)
+        assert row.get("accuracy_metric", "acc") == "acc"
+        assert f"| full | {results['acc,none']:.2f} /" in next(out.rglob("slimwise_report.md")).read_text()
+
+
+@pytest.mark.subprocess
+def test_two_keep_sets_whose_paths_end_alike_keep_their_own_outputs(tmp_path):
+    # .../a/r0.5 and .../b/r0.5 into one --output_path: each run's lengths and summary stay (they overwrote each other)
+    from slimwise_train.models import load_config
+    from slimwise_train.moe.keepset import LayerKeep
+
+    text = load_config(compose_config("eval", "model=teacher", "output_dir=/tmp/x").model)
+    keep_sets = {}
+    for name, kept in (("a", range(0, text.num_experts, 2)), ("b", range(1, text.num_experts, 2))):
+        layers = tuple(LayerKeep(i, text.num_experts, text.num_experts_per_tok, tuple(kept))
+                       for i in range(text.num_hidden_layers))
+        keep_sets[name] = tmp_path / name / "r0.5" / "keep_set.json"
+        KeepSet(layers, text.model_type).save(keep_sets[name])
+    out = tmp_path / "out"
+    for name, keep in keep_sets.items():
+        proc = _cli(["--model", "slimwise", "--model_args", f"pretrained={TEACHER},keep_set={keep},mode=slimwise,"
+                     "progress=false", "--tasks", "slimwise_math", "--limit", "1", "--gen_kwargs", "max_gen_toks=2",
+                     "--output_path", str(out)], tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (folder,) = {p.parent for p in out.rglob("results_*.json")}
+    summaries = [json.loads(p.read_text()) for p in folder.glob("slimwise_summary_slimwise_r0.5-*.json")]
+    assert sorted(s["keep_set"] for s in summaries) == sorted(str(k) for k in keep_sets.values())
+    assert len(list(folder.glob("slimwise_lengths_slimwise_r0.5-*.jsonl"))) == 2
+    assert len({s["run"] for s in summaries}) == 2
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "slimwise_train.lm_eval", "--model", "slimwise", "--model_args",
+                             f"pretrained={TEACHER},mode=full,progress=false", "--tasks", "slimwise_math",
+                             "--output_path", str(tmp_path / "out")], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        for line in proc.stdout:
+            if "Running generate_until requests" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith("slimwise_train.lm_eval: interrupted (Ctrl-C): no results")
+    assert not (tmp_path / "out").exists()
+
+
+def test_primary_metric_is_the_first_declared_one_under_its_first_filter():
+    from slimwise_train.lm_eval.lengths import per_sample, primary_metric
+
+    # gsm8k-like: two filters, a bookkeeping count first, metric_list naming exact_match
+    results = {"results": {"t": {"alias": "t", "sample_len": 5, "exact_match,strict-match": 0.2,
+                                 "exact_match_stderr,strict-match": 0.1, "exact_match,flexible-extract": 0.4}},
+               "configs": {"t": {"metric_list": [{"metric": "exact_match", "higher_is_better": True}]}},
+               "higher_is_better": {"t": {"exact_match": True}}}
+    assert primary_metric(results, "t") == ("exact_match", "strict-match", 0.2)
+    del results["configs"]  # older results without configs: higher_is_better names the metric
+    assert primary_metric(results, "t") == ("exact_match", "strict-match", 0.2)
+    del results["higher_is_better"]  # nothing declared: no accuracy rather than a count
+    assert primary_metric(results, "t") is None
+    samples = [{"doc_id": 0, "filter": "strict-match", "exact_match": 0.0, "bookkeeping": 1, "target": ""},
+               {"doc_id": 0, "filter": "flexible-extract", "exact_match": 1.0, "target": ""}]
+    assert per_sample(samples, None, "exact_match", "strict-match") == {0: {"correct": False, "reference_tokens": None}}
+    assert per_sample(samples, None, "exact_match", "flexible-extract")[0]["correct"] is True
 
 
 @pytest.mark.subprocess
@@ -433,9 +545,9 @@ def test_two_process_data_parallel_equals_one_process(assets, tmp_path):
 
     def read(name):
         (folder,) = {p.parent for p in (tmp_path / name).rglob("results_*.json")}
-        records = sorted((json.loads(x) for x in (folder / "slimwise_lengths_slimwise_keep.jsonl").read_text()
+        records = sorted((json.loads(x) for x in _one(folder, "slimwise_lengths_slimwise_keep-*.jsonl").read_text()
                           .splitlines()), key=lambda r: (r["task"], r["doc_id"]))
-        summary = json.loads((folder / "slimwise_summary_slimwise_keep.json").read_text())
+        summary = json.loads(_one(folder, "slimwise_summary_slimwise_keep-*.json").read_text())
         return records, summary
 
     (rec1, sum1), (rec2, sum2) = read("one"), read("two")
@@ -652,3 +764,22 @@ def test_chat_template_contexts_are_the_templates_tokens_with_one_bos(tmp_path, 
         assert len(out) == 1 and isinstance(out[0], str)
     finally:
         SlimwiseLM.instances.clear()
+
+
+def test_the_report_has_one_table_per_keep_set_content_not_per_path():
+    from slimwise_train.lm_eval.lengths import combined_results
+
+    records = [{"task": "t", "doc_id": 0, "idx": 0, "num_tokens": 3, "budget": 8}]
+
+    def run(mode, path, digest, at):
+        return ({"run": f"{mode}-{at}", "mode": mode, "model": "m", "mode_description": mode, "tasks": {},
+                 "written_at": at, "keep_set": path, "keep_set_digest": digest, "num_kept": [2], "num_experts": [4]},
+                records)
+
+    # the same keep set by two paths: one table; two keep sets whose paths end alike: two
+    same = combined_results([run("slimwise", "a/r0.5/keep_set.json", "d1", 1),
+                             run("conventional", "./a/r0.5/keep_set.json", "d1", 2)])
+    assert list(same["keep_sets"]) == ["r0.5"]
+    two = combined_results([run("slimwise", "a/r0.5/keep_set.json", "d1", 1),
+                            run("slimwise", "b/r0.5/keep_set.json", "d2", 2)])
+    assert list(two["keep_sets"]) == ["r0.5", "r0.5-2"]

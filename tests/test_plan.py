@@ -243,3 +243,25 @@ def test_a_model_bigger_than_the_node_is_planned_layerwise():
 def test_bad_prune_plan_keys_are_one_line(override, message):
     with pytest.raises(ValueError, match=message):
         plan_from_config(_cfg("model=qwen3_moe_30b_a3b", override))
+
+
+def test_the_plan_uses_prune_keep_set_when_given(tmp_path):
+    # prune.keep_set was ignored (a uniform plan at prune.ratio); a keep set of another model is refused by name
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
+    from slimwise_train.testing.tiny import tiny_model
+
+    model_cfg = OmegaConf.structured(ModelConfig(name="q", tiny="qwen3_moe"))
+    layout = tiny_model("qwen3_moe")
+    keep = tmp_path / "keep_set.json"
+    KeepSet.from_kept(get_adapter(layout).moe_layers(layout), [[0, 1, 2], [0, 1, 2, 3, 4, 5]],
+                      model_type="qwen3_moe").save(keep)
+    distill = OmegaConf.structured(DistillConfig())
+    arch, _ = describe(model_cfg, OmegaConf.structured(PruneConfig(keep_set=str(keep))), distill, torch.float32)
+    assert arch.kept_experts == [3, 6]
+    assert describe(model_cfg, OmegaConf.structured(PruneConfig()), distill, torch.float32)[0].kept_experts == [4, 4]
+    other = tmp_path / "other.json"
+    bigger = tiny_model("qwen3_moe", num_hidden_layers=3)
+    KeepSet.from_kept(get_adapter(bigger).moe_layers(bigger), [[0, 1]] * 3, model_type="qwen3_moe").save(other)
+    with pytest.raises(ValueError, match=f"^prune.keep_set={other}: keep set covers MoE layers"):
+        describe(model_cfg, OmegaConf.structured(PruneConfig(keep_set=str(other))), distill, torch.float32)

@@ -498,3 +498,23 @@ def test_distills_on_multi_turn_tool_conversations_with_the_loss_on_assistant_to
         assert checked == 2 * trainer.global_batch
     finally:
         trainer.close()
+
+
+def test_resuming_under_a_longer_schedule_says_the_learning_rate_is_re_planned(tmp_path, caplog):
+    # Rerunning a folder with a larger max_steps re-plans the cosine mid-run: the lr jumps, and the log says so.
+    no_warmup = "distill.schedule.warmup_steps=0"
+    run_train(make_cfg(tmp_path, no_warmup, "distill.schedule.max_steps=2", "distill.checkpoint.every=2",
+                       "distill.eval.every=2"))
+    longer = (no_warmup, "resume=auto", "distill.schedule.max_steps=3", "distill.checkpoint.every=3",
+              "distill.eval.every=3")
+    with caplog.at_level("WARNING", logger="slimwise.train"):
+        run_train(make_cfg(tmp_path, *longer))
+    (line,) = [r.getMessage() for r in caplog.records if "re-planned" in r.getMessage()]
+    # peak 2e-2, no warmup: step 2 of 2 is the cosine's floor (min_lr_ratio 0.1 x 2e-2); step 2 of 3 is
+    # 2e-2 x (0.1 + 0.9 x 0.5 x (1 + cos(2 pi / 3))) = 6.5e-3
+    assert line == ("resuming at step 2 under another distill.schedule (max_steps 2 -> 3): the learning-rate schedule "
+                    "is re-planned from this step (lr 0.002 -> 0.0065)")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slimwise.train"):  # the same schedule: nothing to say
+        run_train(make_cfg(tmp_path, *longer))
+    assert "re-planned" not in caplog.text

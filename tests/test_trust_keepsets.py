@@ -137,7 +137,7 @@ def test_keep_set_of_another_family_is_refused_before_the_model_loads(tmp_path, 
 def test_keep_set_scored_on_other_weights_is_an_error_unless_allowed(tmp_path, no_load, monkeypatch, caplog):
     path = write_keep_set(tmp_path / "keep_set.json", UNIFORM)  # scored on the seed-0 model
     message = refused_at_start(tmp_path / "out", f"prune.keep_set={path}", "model.seed=1",
-                               match=f"was scored on {SEED0} but this run distils tiny:qwen3_moe:seed=1")
+                               match=f"was scored on {SEED0} but this run's model is tiny:qwen3_moe:seed=1")
     assert "prune again on this model" in message and "distill.allow_foreign_keep_set=true" in message
     # The same model (another spelling of the same local folder, too) passes; opting in passes with a warning.
     trainer = Trainer(cfg_for(tmp_path / "out", f"prune.keep_set={path}", "model.seed=1",
@@ -146,17 +146,6 @@ def test_keep_set_scored_on_other_weights_is_an_error_unless_allowed(tmp_path, n
         assert trainer._precheck_keep_set() == KeepSet.load(path)
     assert f"was scored on {SEED0}" in caplog.text and "allow_foreign_keep_set=true" in caplog.text
     assert Trainer(cfg_for(tmp_path / "out", f"prune.keep_set={path}"))._precheck_keep_set() is not None
-
-
-def test_a_local_checkpoint_named_by_another_path_is_the_same_model(tmp_path, monkeypatch):
-    from slimwise_train.config import ModelConfig
-    from slimwise_train.distill.trainer import _same_model
-
-    (tmp_path / "ckpt").mkdir()
-    monkeypatch.chdir(tmp_path)
-    model = ModelConfig(name="x", path="ckpt")
-    assert _same_model(f"{tmp_path / 'ckpt'}@main", model) and _same_model("./ckpt@main", model)
-    assert not _same_model(f"{tmp_path / 'ckpt'}@v2", model) and not _same_model("other/ckpt@main", model)
 
 
 # --------------------------------------------------------------------------- 12. non-uniform keep set, no export
@@ -176,12 +165,13 @@ def test_non_uniform_keep_set_the_family_cannot_export_is_refused_at_start(tmp_p
 
 
 def test_a_scored_non_uniform_keep_set_is_refused_before_the_data_loads(tmp_path):
-    trainer = Trainer(cfg_for(tmp_path / "out", "prune.scope=global"))
+    from slimwise_train.moe.keepset_rules import check_exportable
+
     model = tiny_model("qwen3_moe")
     keep = KeepSet.from_kept(get_adapter(model).moe_layers(model), NON_UNIFORM, model_type="qwen3_moe")
     with pytest.raises(ValueError, match=r"^the keep set scored with prune.scope=global: qwen3_moe .* cannot be "
                                          r"exported; .*distill.export=false"):
-        trainer._check_exportable(keep, get_adapter(model), model.config)
+        check_exportable(keep, model.config, "the keep set scored with prune.scope=global", "distill.export")
 
 
 # --------------------------------------------------------------------------- 5, 7. rerunning a run folder
@@ -300,7 +290,7 @@ def _cli_case(tmp_path, case):
         edit_keep_set(keep, lambda data: data.pop("model_type"))
         return [f"prune.keep_set={keep}"], "records no model_type"
     if case == "foreign":
-        return [f"prune.keep_set={keep}", "model.seed=1"], f"was scored on {SEED0} but this run distils"
+        return [f"prune.keep_set={keep}", "model.seed=1"], f"was scored on {SEED0} but this run's model is"
     if case == "non_uniform_export":
         return [f"prune.keep_set={keep}"], "cannot be exported"
     if case == "lr":

@@ -41,7 +41,8 @@ def _quiet_other_ranks() -> None:
 
 
 @hydra_app(CONF_DIR, "train", "slimwise_train", schema=TrainAppConfig, check=check_known_keys,
-           moved=moved_key_message)
+           moved=moved_key_message, interrupted="the checkpoints written so far stay; rerun the same command "
+                                                "(resume=auto) to continue from the newest")
 def main(cfg: DictConfig) -> None:
     from slimwise_train.distill.trainer import NonFiniteLossError, run_train
 

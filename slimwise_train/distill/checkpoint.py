@@ -16,6 +16,11 @@ newest `keep` complete checkpoints are kept. Assumes the ranks share the filesys
 
 Resume verifies the checksums: with resume=auto a corrupt newest checkpoint (a truncated file, a disk error)
 is skipped with a warning for the newest one that verifies; an explicit resume=<folder> that fails is an error.
+
+The run folder (checked before anything is written, `check_run_folder`): a folder whose checkpoints (or own
+keep_set.json) record another keep set is not continued with this one. resume=never starts the folder over: the
+earlier run's files move, each by one rename, into `<output_dir>/replaced/<time>/` (`set_aside_previous_run`), so
+no later resume=auto finds its checkpoints and metrics.jsonl never holds two runs; nothing of it is deleted.
 """
 
 from __future__ import annotations
@@ -26,16 +31,20 @@ import logging
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.moe.keepset_rules import keep_set_difference
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.atomic import honour_umask
 from slimwise_train.utils.cli import MachineFault
 
 MARKER = "complete"
+REPLACED = "replaced"  # where resume=never moves an earlier run's files
 CHECKSUMS = "checksums.json"
 PREFIX = "step_"
 log = logging.getLogger("slimwise.train")
@@ -264,3 +273,64 @@ def load_checkpoint(path: Path, engine) -> dict:
     else:  # another world size: RNG streams cannot map one to one; data order and splits do not depend on them
         set_rng_state(rng_states[0])
     return state
+
+
+# ----------------------------------------------------------------------------------------------- the run folder
+def recorded_keep_sets(output_dir: Path, resume: str) -> list[tuple[Path, KeepSet]]:
+    """(file, KeepSet) of every keep set the run folder records: its keep_set.json and each complete checkpoint's
+    trainer_state.json (and resume=<checkpoint>'s). Unreadable states are left to resume's verification."""
+    recorded: list[tuple[Path, KeepSet]] = []
+    folder_keep = output_dir / "keep_set.json"
+    if folder_keep.is_file():
+        recorded.append((folder_keep, KeepSet.load(folder_keep, require_model_type=False)))
+    checkpoints = [path for _, path in complete_checkpoints(output_dir / "checkpoints")]
+    if resume not in ("auto", "never"):
+        checkpoints.append(Path(resume))
+    for path in checkpoints:
+        state_file = path / "trainer_state.json"
+        try:
+            state = json.loads(state_file.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(state, dict) and state.get("keep_set"):
+            recorded.append((state_file, KeepSet.from_dict(state["keep_set"], f"{state_file}: keep_set",
+                                                           require_model_type=False)))
+    return recorded
+
+
+def check_run_folder(output_dir: Path, keep_set: KeepSet, resume: str) -> None:
+    """Unless resume=never, a run folder (or resume=<checkpoint>) trained with another keep set is refused before
+    anything is written: continuing it would train one keep set on another's checkpoint and leave a folder describing
+    two runs."""
+    if resume == "never":
+        return
+    for where, other in recorded_keep_sets(Path(output_dir), resume):
+        if not other.same_experts(keep_set):
+            raise ValueError(
+                f"output_dir {output_dir} holds a run trained with another keep set ({where} records "
+                f"{keep_set_difference(other, keep_set)}); resuming it would mix two runs in one folder: choose "
+                "another output_dir, or resume=never to train this folder over from step 0 (the earlier run moves to "
+                f"{Path(output_dir) / REPLACED})")
+
+
+def set_aside_previous_run(output_dir: Path, names) -> Path | None:
+    """resume=never in a folder an earlier run wrote: move its files among `names` (the trainer's outputs, checkpoints
+    first) into `<output_dir>/replaced/<time>/`, each by one rename, and return that folder (None: nothing there).
+    Rank 0, holding the folder's lock. Moving, not deleting: a resume=never typed by mistake loses nothing; the
+    checkpoints move first, so a kill midway leaves no checkpoint of the earlier run where resume=auto looks."""
+    output_dir = Path(output_dir)
+    present = [name for name in names if (output_dir / name).exists()]
+    if not present:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = output_dir / REPLACED / stamp
+    suffix = 1
+    while target.exists():
+        suffix += 1
+        target = output_dir / REPLACED / f"{stamp}-{suffix}"
+    target.mkdir(parents=True)
+    for name in present:
+        os.replace(output_dir / name, target / name)
+    log.warning("resume=never: the earlier run in %s (%s) moved to %s; delete it when it is no longer needed",
+                output_dir, ", ".join(present), target)
+    return target

@@ -3,7 +3,8 @@ W&B run; offline when there is no WANDB_API_KEY, so it also works without networ
 
 The W&B run takes its name and group from the logger config (`logger.run_name`, default `<criterion>-r<ratio>` in
 conf/train.yaml; `logger.group`, default the Hydra sweep in a multirun, see `slimwise_train.config.sweep_group`), so
-the trainer needs no Hydra; its id is derived from the run folder, so a resumed run continues the same W&B run.
+the trainer needs no Hydra; its id is kept in the run folder (`wandb_run_id`), so a resumed run continues the same W&B
+run and a fresh start in the same folder (resume=never) is a new one.
 
 Named metrics.py, not logging.py, so it does not shadow the standard library inside the package.
 """
@@ -83,7 +84,7 @@ class WandbSink(JsonlSink):
             mode=mode,
             config=config,
             resume="allow",
-            id=_run_id(output_dir),
+            id=_run_id(output_dir, resuming=resumed_step is not None),
         )
         log.info("wandb: mode=%s group=%s name=%s dir=%s", mode, logger_cfg.get("group"), logger_cfg.run_name,
                  output_dir)
@@ -115,11 +116,24 @@ def build_sink(logger_cfg, output_dir: Path, config: dict, resumed_step: int | N
     return JsonlSink(output_dir, resumed_step)
 
 
-def _run_id(output_dir: Path) -> str:
-    # Stable per run folder, so a resumed run appends to the same W&B run.
-    import hashlib
+RUN_ID_FILE = "wandb_run_id"
 
-    return hashlib.sha1(str(Path(output_dir).resolve()).encode()).hexdigest()[:12]
+
+def _run_id(output_dir: Path, resuming: bool) -> str:
+    """The W&B run id of this run, kept in `<output_dir>/wandb_run_id`: a resumed run appends to the W&B run it
+    started, a run from step 0 gets a new id (it was the folder's path digest, so resume=never appended a second run
+    to the first's W&B history). A folder from before the file, resumed: that path digest, the id it had."""
+    import hashlib
+    import os
+    import time
+
+    path = Path(output_dir) / RUN_ID_FILE
+    if resuming and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    seed = str(Path(output_dir).resolve()) + ("" if resuming else f"|{time.time_ns()}|{os.getpid()}")
+    run_id = hashlib.sha1(seed.encode()).hexdigest()[:12]
+    write_text_atomic(path, run_id + "\n")
+    return run_id
 
 
 def _plain(value):

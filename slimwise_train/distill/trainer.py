@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -34,12 +33,11 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.config import (TrainAppConfig, check_data_config, check_distill_config, check_known_keys,
                                    to_container)
 from slimwise_train.distill import batches as B
-from slimwise_train.distill.checkpoint import (complete_checkpoints, gather_objects, load_checkpoint, resolve_resume,
-                                               save_checkpoint)
+from slimwise_train.distill.checkpoint import (check_run_folder, gather_objects, load_checkpoint, resolve_resume,
+                                               save_checkpoint, set_aside_previous_run)
 from slimwise_train.distill.engine import Engine, build_engine, partitioned_loading, validate_engine_config
 from slimwise_train.distill.lora import lora_from_config, preset_name
 from slimwise_train.distill.metrics import build_sink
@@ -47,13 +45,19 @@ from slimwise_train.distill.objective import Objective, check_loss_config
 from slimwise_train.distill.student import DistillModel, StudentSpec
 from slimwise_train.moe.handoff import cache_layer_kinds, copy_cache, make_cache_autograd_safe, positions_from_mask
 from slimwise_train.moe.keepset import KeepSet
+from slimwise_train.moe.keepset_rules import check_exportable, check_fits, keep_set_for_run
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.distributed import full_shape
 from slimwise_train.utils.atomic import write_json_atomic, write_text_atomic
 from slimwise_train.utils.hf import text_config
-from slimwise_train.utils.rundir import claim_output_dir
+from slimwise_train.utils.rundir import check_outputs_spare_inputs, claim_output_dir
 
 log = logging.getLogger("slimwise.train")
+
+# Everything a run writes into its output_dir (resume=never moves an earlier run's into replaced/<time>/, checkpoints
+# first): keep this list in step with the writers below (tests/test_checkpoint.py trains and compares).
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "train_config.yaml", "keep_set.json", "loss_curve.png",
+               "student_trainable.safetensors", "adapter", "export", "wandb", "wandb_run_id")
 
 
 class NonFiniteLossError(RuntimeError):
@@ -65,6 +69,7 @@ def validate_train_config(cfg) -> None:
     does): unknown keys, values no run can use (distill.optim.lr <= 0, zero steps, an unknown loss term or a negative
     weight, ...), a data source that is neither a recipe, a local file or folder nor a hub id."""
     from slimwise_train.data.loading import check_source
+    from slimwise_train.models import resolve_path
     from slimwise_train.prune.criteria import validate_prune_config
 
     check_known_keys(cfg, TrainAppConfig)
@@ -83,6 +88,14 @@ def validate_train_config(cfg) -> None:
     validate_engine_config(cfg.engine, d)
     B.SplitRule.from_config(d.split)
     lora_from_config(d.trainable)  # a bad distill.trainable preset or override fails before the model loads
+    # e.g. model.path=<this output_dir>/export (distilling on from a run's export into its own folder): the end of the
+    # run would write its export over the model it trains on
+    out = Path(cfg.output_dir)
+    check_outputs_spare_inputs(
+        {name: out / name for name in RUN_OUTPUTS if name != "checkpoints"},
+        {"model.path": resolve_path(cfg.model.path), "model.tokenizer": resolve_path(cfg.model.tokenizer),
+         "data.source": cfg.data.source, "calibration.source": cfg.calibration.source,
+         "prune.scores": cfg.prune.scores})
 
 
 def _shown(value) -> str:
@@ -174,8 +187,10 @@ class Trainer:
         self.vocab_size = full_shape(model.get_output_embeddings().weight)[0]
         self.keep_set = self._resolve_keep_set(model)
         if self.requested_keep_set is None:  # scored now: checked as soon as it exists, before data or any write
-            self._check_exportable(self.keep_set, get_adapter(model), model.config)
-            self._check_run_folder(self.keep_set)
+            if cfg.distill.export:
+                check_exportable(self.keep_set, model.config, f"the keep set scored with prune.scope={cfg.prune.scope}",
+                                 "distill.export")
+            check_run_folder(self.output_dir, self.keep_set, str(cfg.resume))
         self.student = DistillModel(model, self.keep_set, StudentSpec.from_config(cfg.distill, seed=cfg.seed),
                                     recompute=str(cfg.distill.memory.recompute))
         self.counts = self.student.parameter_counts()
@@ -224,6 +239,8 @@ class Trainer:
             self._resume(resume_from)
         resolved = to_container(cfg)
         if du.is_rank0():
+            if str(cfg.resume) == "never":  # start over: no later resume=auto may find the earlier run's checkpoints
+                set_aside_previous_run(self.output_dir, RUN_OUTPUTS)
             self.output_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(self.output_dir / "train_config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
             self.keep_set.save(self.output_dir / "keep_set.json")
@@ -317,16 +334,12 @@ class Trainer:
     def _resolve_keep_set(self, model) -> KeepSet:
         """prune.keep_set (a keep_set.json), or scored now by the prune stage's own scoring (what makes a ratio sweep
         work) on the calibration data."""
-        from slimwise_train.prune.app import score_keep_set
+        from slimwise_train.prune.scoring import score_keep_set
 
         cfg = self.cfg
         if self.requested_keep_set is not None:  # prune.keep_set, loaded and checked by _precheck_keep_set
-            keep_set = self.requested_keep_set
-            try:
-                keep_set.check_model(model, get_adapter(model))  # structure: MoE layers, expert counts, top-k
-            except ValueError as exc:
-                raise ValueError(f"prune.keep_set={cfg.prune.keep_set}: {exc}") from None
-            return keep_set
+            check_fits(self.requested_keep_set, model, f"prune.keep_set={cfg.prune.keep_set}")
+            return self.requested_keep_set
         prune_cfg = OmegaConf.create({"model": to_container(cfg.model), "data": to_container(cfg.calibration),
                                       "prune": to_container(cfg.prune), "progress": bool(cfg.progress)})
         keep_set = score_keep_set(model, self.tokenizer, prune_cfg, data_key="calibration",
@@ -337,93 +350,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ keep set checks (before anything is written)
     def _precheck_keep_set(self) -> KeepSet | None:
-        """prune.keep_set read and checked with the model's config only (no weights): a malformed file, another
-        family, a non-uniform keep set this family cannot export, a keep set scored on other weights, a run folder
-        trained with another keep set. None when the keep set is scored in this run."""
-        from slimwise_train.models import load_config
+        """prune.keep_set if this run may use it (moe/keepset_rules.py: the file, its family, exportability, the weights
+        it was scored on) and the run folder may continue with it (distill/checkpoint.py), checked with the model's
+        config and weight files only. None when the keep set is scored in this run."""
+        from slimwise_train.models import load_config, model_weights
 
         cfg = self.cfg
-        path = cfg.prune.keep_set
-        if not path:
+        if not cfg.prune.keep_set:
             return None
-        keep_set = KeepSet.load(path, key="prune.keep_set")
-        config = load_config(cfg.model)
-        adapter = get_adapter(config)
-        try:
-            keep_set.check_family(config, adapter)
-        except ValueError as exc:
-            raise ValueError(f"prune.keep_set={path}: {exc}") from None
-        self._check_exportable(keep_set, adapter, config)
-        self._check_scored_on(keep_set)
-        self._check_run_folder(keep_set)
+        keep_set = keep_set_for_run(cfg.prune.keep_set, "prune.keep_set", config=load_config(cfg.model),
+                                    model=model_weights(cfg.model),
+                                    allow_foreign=bool(cfg.distill.allow_foreign_keep_set),
+                                    allow_key="distill.allow_foreign_keep_set",
+                                    export_key="distill.export" if cfg.distill.export else None)
+        check_run_folder(self.output_dir, keep_set, str(cfg.resume))
         return keep_set
-
-    def _check_exportable(self, keep_set: KeepSet, adapter, config) -> None:
-        """distill.export writes a stock checkpoint at the end: a non-uniform keep set the family cannot hold is
-        refused now, not after the last step."""
-        from types import SimpleNamespace
-
-        from slimwise_train.moe.pruning import check_exportable
-
-        if not self.cfg.distill.export or keep_set.is_uniform:
-            return
-        try:
-            check_exportable(adapter, SimpleNamespace(config=config), keep_set)
-        except ValueError as exc:
-            source = (f"prune.keep_set={self.cfg.prune.keep_set}" if self.cfg.prune.keep_set
-                      else f"the keep set scored with prune.scope={self.cfg.prune.scope}")
-            raise ValueError(f"{source}: {exc}; or train without the export (distill.export=false)") from None
-
-    def _check_scored_on(self, keep_set: KeepSet) -> None:
-        """A keep set records the model it was scored on (meta.model); another one (checkpoint, revision, tiny seed)
-        chose its experts for other weights: an error unless distill.allow_foreign_keep_set."""
-        from slimwise_train.models import model_identity
-
-        cfg = self.cfg
-        scored_on = keep_set.meta.get("model")
-        if not scored_on or _same_model(str(scored_on), cfg.model):
-            return
-        if cfg.distill.allow_foreign_keep_set:
-            log.warning("keep set %s was scored on %s; this run distils %s (distill.allow_foreign_keep_set=true)",
-                        cfg.prune.keep_set, scored_on, model_identity(cfg.model))
-            return
-        raise ValueError(
-            f"prune.keep_set={cfg.prune.keep_set} was scored on {scored_on} but this run distils "
-            f"{model_identity(cfg.model)}: its experts were chosen for other weights; prune again on this model "
-            "(python -m slimwise_train.prune with the same model.*), or set distill.allow_foreign_keep_set=true to "
-            "train with it anyway"
-        )
-
-    def _check_run_folder(self, keep_set: KeepSet) -> None:
-        """Unless resume=never, a run folder (or resume=<checkpoint>) trained with another keep set is refused:
-        resuming it would train one keep set on another's checkpoint and leave a folder describing two runs."""
-        cfg = self.cfg
-        resume = str(cfg.resume)
-        if resume == "never":
-            return
-        recorded: list[tuple[Path, KeepSet]] = []
-        folder_keep = self.output_dir / "keep_set.json"
-        if folder_keep.is_file():
-            recorded.append((folder_keep, KeepSet.load(folder_keep, require_model_type=False)))
-        checkpoints = [path for _, path in complete_checkpoints(self.output_dir / "checkpoints")]
-        if resume != "auto":
-            checkpoints.append(Path(resume))
-        for path in checkpoints:
-            state_file = path / "trainer_state.json"
-            try:
-                state = json.loads(state_file.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue  # not readable: resume verification names the problem (or skips the checkpoint)
-            if isinstance(state, dict) and state.get("keep_set"):
-                recorded.append((state_file, KeepSet.from_dict(state["keep_set"], f"{state_file}: keep_set",
-                                                               require_model_type=False)))
-        for where, other in recorded:
-            if not other.same_experts(keep_set):
-                raise ValueError(
-                    f"output_dir {self.output_dir} holds a run trained with another keep set ({where} records "
-                    f"{_keep_set_difference(other, keep_set)}); resuming it would mix two runs in one folder: choose "
-                    "another output_dir, or resume=never to train this folder over from step 0"
-                )
 
     def _frozen_digest(self) -> str:
         """sha256 over every frozen tensor's bytes, one parameter at a time (ZeRO-3 gathers each in turn)."""
@@ -457,7 +398,15 @@ class Trainer:
             "keep_set": self.keep_set.to_dict(),  # a rerun of this folder with another keep set is refused
             "prefix_from": str(self.cfg.distill.split.prefix_from),  # another training objective: resume is refused
             "loss_terms": self._loss_terms(),  # another objective too (distill.loss.terms)
+            "schedule": self._schedule(),  # a resume with another one re-plans the learning rate: said in one line
+            "lr": self.engine.lr(),  # the learning rate of the next step under that schedule
         }
+
+    def _schedule(self) -> dict:
+        """distill.schedule's keys that shape the learning rate over the steps (engine.lr_lambda)."""
+        schedule = self.cfg.distill.schedule
+        return {"max_steps": int(schedule.max_steps), "warmup_steps": int(schedule.warmup_steps),
+                "min_lr_ratio": float(schedule.min_lr_ratio)}
 
     def _loss_terms(self) -> dict[str, float]:
         """distill.loss.terms as trained: {name: weight} of the terms on (a weight of 0 is off, the same as absent)."""
@@ -499,11 +448,28 @@ class Trainer:
                 + ", ".join(f"{name}={a} (now {b})" for name, a, b in mismatch)
                 + "; use resume=never or another output folder"
             )
+        planned = state.get("schedule")  # checkpoints from before it was recorded: unknown, nothing to say
         state = load_checkpoint(path, self.engine)
         self.step = int(state["step"])
+        if planned is not None and planned != self._schedule():
+            self._say_schedule_replanned(planned, state.get("lr"))
         self.nan_streak, self.nan_skipped = int(state["nan_streak"]), int(state["nan_skipped"])
         self.tokens_seen = int(state["tokens_seen"])
         log.info("resumed from %s at step %d", path, self.step)
+
+    def _say_schedule_replanned(self, planned: dict, planned_lr: float | None) -> None:
+        """A resume under another distill.schedule (a larger max_steps, to train on) re-plans the learning rate from
+        the resumed step: one line with what changed and the learning rate it jumps between."""
+        from slimwise_train.distill.engine import lr_lambda
+
+        now = self._schedule()
+        changed = ", ".join(f"{key} {planned.get(key)} -> {value}" for key, value in now.items()
+                            if planned.get(key) != value)
+        new_lr = float(self.cfg.distill.optim.lr) * lr_lambda(now["warmup_steps"], now["max_steps"],
+                                                              now["min_lr_ratio"])(self.step)
+        jump = f" (lr {planned_lr:.3g} -> {new_lr:.3g})" if planned_lr is not None else f" (lr now {new_lr:.3g})"
+        log.warning("resuming at step %d under another distill.schedule (%s): the learning-rate schedule is re-planned "
+                    "from this step%s", self.step, changed, jump)
 
     # ================================================================== one step
     def _micro_batches(self, step: int) -> tuple[list[B.ContinuationBatch], list[float]]:
@@ -851,40 +817,6 @@ class Trainer:
         if hasattr(self, "student"):
             self.student.remove_hooks()
         self.engine = self.sink = None
-
-
-def _same_model(scored_on: str, model_cfg) -> bool:
-    """Whether `scored_on` (a keep set's meta.model, `models.model_identity`) names this run's model; a local
-    checkpoint named by another path to the same folder (relative / absolute) counts as the same."""
-    from slimwise_train.models import model_identity, resolve_path
-
-    if scored_on == model_identity(model_cfg):
-        return True
-    if model_cfg.tiny or not model_cfg.path or "@" not in scored_on:
-        return False
-    path, _, revision = scored_on.rpartition("@")
-    if revision != (model_cfg.revision or "main"):
-        return False
-    try:
-        return os.path.samefile(os.path.expanduser(resolve_path(path)),
-                                os.path.expanduser(resolve_path(str(model_cfg.path))))
-    except OSError:
-        return False
-
-
-def _keep_set_difference(recorded: KeepSet, requested: KeepSet) -> str:
-    """`recorded` against `requested` in a few words: the first thing that differs."""
-    if recorded.model_type and requested.model_type and recorded.model_type != requested.model_type:
-        return f"model_type {recorded.model_type}, this run asks for {requested.model_type}"
-    mine, theirs = [lk.layer for lk in requested], [lk.layer for lk in recorded]
-    if mine != theirs:
-        return f"MoE layers {theirs}, this run asks for {mine}"
-    if recorded.num_kept != requested.num_kept:
-        return f"{list(recorded.num_kept)} kept experts per layer, this run asks for {list(requested.num_kept)}"
-    for old, new in zip(recorded, requested):
-        if old != new:
-            return f"layer {old.layer} keeping experts {list(old.kept)}, this run asks for {list(new.kept)}"
-    return "another keep set"
 
 
 def _terms_text(values: dict, names) -> str:

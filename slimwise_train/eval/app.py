@@ -29,7 +29,7 @@ from slimwise_train.config import (CONF_DIR, EvalAppConfig, check_known_keys, re
                                    wandb_mode)
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
-from slimwise_train.utils.rundir import check_writable, die_with_launcher
+from slimwise_train.utils.rundir import check_outputs_spare_inputs, check_writable, die_with_launcher
 
 log = logging.getLogger("slimwise.eval")
 
@@ -49,9 +49,16 @@ def keep_set_name(path: str | Path, taken: set[str]) -> str:
 
 def validate_eval_config(cfg) -> None:
     from slimwise_train.eval.generation import STUDENT_MODES, check_families, check_modes_run, check_student_path
+    from slimwise_train.models import resolve_path
 
     check_known_keys(cfg, EvalAppConfig)
     check_writable(Path(cfg.output_dir), create=False)
+    out = Path(cfg.output_dir)
+    check_outputs_spare_inputs(
+        {name: out / name for name in ("results.json", "report.md", "eval_config.yaml", "generations.jsonl")},
+        {"model.path": resolve_path(cfg.model.path), "model.tokenizer": resolve_path(cfg.model.tokenizer),
+         "eval.student": cfg.eval.student, "eval.recipe": cfg.eval.recipe,
+         **{f"eval.keep_sets[{i}]": path for i, path in enumerate(cfg.eval.keep_sets)}})
     ev = cfg.eval
     # unknown or empty eval.modes, or none that can run with these keep sets and student (before the model loads)
     check_modes_run(list(ev.modes), bool(ev.keep_sets), bool(ev.student))
@@ -76,16 +83,21 @@ def validate_eval_config(cfg) -> None:
         check_student_path(ev.student)
 
 
-def load_keep_sets(paths) -> tuple[dict, dict]:
-    """({name: KeepSet}, {name: path}); FileNotFoundError / ValueError name the bad file."""
-    from slimwise_train.moe.keepset import KeepSet
+def load_keep_sets(cfg) -> tuple[dict, dict]:
+    """({name: KeepSet}, {name: path}) of eval.keep_sets, each one this run may use (moe/keepset_rules.py: the file,
+    its family, the weights it was scored on), checked with the model's config and weight files before the weights
+    load; FileNotFoundError / ValueError name the key and the file."""
+    from slimwise_train.models import load_config, model_weights
+    from slimwise_train.moe.keepset_rules import keep_set_for_run
 
+    if not cfg.eval.keep_sets:
+        return {}, {}
+    config, weights = load_config(cfg.model), model_weights(cfg.model)
     keep_sets, where, taken = {}, {}, set()
-    for path in paths:
-        try:
-            keep = KeepSet.load(path)
-        except ValueError as exc:
-            raise ValueError(f"eval.keep_sets: {exc}") from None
+    for path in cfg.eval.keep_sets:
+        keep = keep_set_for_run(path, "eval.keep_sets", config=config, model=weights,
+                                allow_foreign=bool(cfg.eval.allow_foreign_keep_set),
+                                allow_key="eval.allow_foreign_keep_set")
         name = keep_set_name(path, taken)
         keep_sets[name], where[name] = keep, str(path)
     return keep_sets, where
@@ -134,26 +146,28 @@ def log_to_wandb(cfg, results: dict, images: dict[str | None, list[tuple[str, Pa
 
 def run_eval(cfg) -> dict:
     """The whole eval job; returns the results dict. Importable for tests and notebooks."""
-    from slimwise_train.eval.generation import STUDENT_MODES, build_problems, evaluate, load_student
+    from slimwise_train.eval.generation import (STUDENT_MODES, build_problems, check_context, evaluate,
+                                                family_budgets, load_student)
     from slimwise_train.eval.report import render_markdown
     from slimwise_train.models import load_model, model_identity
+    from slimwise_train.moe.keepset_rules import check_fits
     from slimwise_train.utils.atomic import atomic_path, write_json_atomic, write_text_atomic
+    from slimwise_train.utils.hf import text_config
 
     start = time.perf_counter()
     validate_eval_config(cfg)
-    keep_sets, keep_paths = load_keep_sets(cfg.eval.keep_sets)
+    keep_sets, keep_paths = load_keep_sets(cfg)
     model, tokenizer = load_model(cfg.model, cfg.device)
     for name, keep in keep_sets.items():
-        try:
-            keep.check_model(model)
-        except ValueError as exc:
-            raise ValueError(f"eval.keep_sets: {keep_paths[name]}: {exc}") from None
+        check_fits(keep, model, f"eval.keep_sets={keep_paths[name]}")
     student = None
     if cfg.eval.student and any(mode in STUDENT_MODES for mode in cfg.eval.modes) and keep_sets:
         student = load_student(cfg.eval.student, model)
     problems = build_problems(tokenizer, list(cfg.eval.families), cfg.eval.num_per_family, cfg.eval.seed,
                               cfg.eval.recipe)
     budget = dict(cfg.eval.budget) if OmegaConf.is_dict(cfg.eval.budget) else cfg.eval.budget
+    check_context(problems, family_budgets(problems, budget, cfg.eval.budget_factor),
+                  getattr(text_config(model), "max_position_embeddings", None), model_identity(cfg.model))
     results = evaluate(model, tokenizer, keep_sets, list(cfg.eval.modes), problems, budget,
                        cfg.eval.batch_size, budget_factor=cfg.eval.budget_factor, student=student,
                        keep_set_paths=keep_paths, progress=cfg.progress and du.is_rank0())
@@ -193,7 +207,8 @@ def run_eval(cfg) -> dict:
 register_configs()
 
 
-@hydra_app(CONF_DIR, "eval", "slimwise_train.eval", schema=EvalAppConfig, check=check_known_keys)
+@hydra_app(CONF_DIR, "eval", "slimwise_train.eval", schema=EvalAppConfig, check=check_known_keys,
+           interrupted="nothing was written (eval writes its outputs once every generation is done)")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.eval"):

@@ -18,6 +18,7 @@ metric definitions) and returns the results dict that `slimwise_train.eval.repor
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -163,6 +164,24 @@ def family_budgets(problems: Sequence[Problem], budget: int | Mapping[str, int] 
     return out
 
 
+def check_context(problems: Sequence[Problem], budgets: Mapping[str, int], max_positions: int | None,
+                  model_name: str) -> None:
+    """Refuse families whose longest prompt plus budget exceeds the model's positions (max_position_embeddings):
+    generation past them scores noise (the shipped teacher's 512 positions scored 0.00 on lookup prompts of up to 586
+    tokens, without a word). None: the model states no limit."""
+    if not max_positions:
+        return
+    longest: dict[str, int] = {}
+    for problem in problems:
+        longest[problem.family] = max(longest.get(problem.family, 0), len(problem.prompt_ids))
+    over = {f: n for f, n in longest.items() if n + budgets[f] > max_positions}
+    if over:
+        what = "; ".join(f"{f}: prompts of up to {n} tokens + budget {budgets[f]}" for f, n in over.items())
+        raise ValueError(f"eval.families: {what} exceed the {max_positions} positions of {model_name} "
+                         f"(max_position_embeddings); drop {', '.join(over)} from eval.families, lower eval.budget, or "
+                         "use a model with a longer context")
+
+
 # ----------------------------------------------------------------------------------------------- generation
 def plan_batches(problems: Sequence[Problem], batch_size: int) -> list[list[int]]:
     """Problem indices in batches: per family (one budget per batch), sorted by prompt length (stable)."""
@@ -240,21 +259,22 @@ def first_tokens(model: nn.Module, problems: Sequence[Problem], batch_size: int,
 
 
 # ----------------------------------------------------------------------------------------------- students
-def check_student_path(path: str | Path) -> Path:
-    """The checkpoint folder of `eval.student`: the folder itself, or the `export/` inside a training run's
-    output folder."""
+def check_student_path(path: str | Path, key: str = "eval.student") -> Path:
+    """The checkpoint folder of a student (`key`: the config key or argument that named it): the folder itself, or the
+    `export/` inside a training run's output folder."""
     path = Path(path)
     if not (path / "config.json").is_file() and (path / "export" / "config.json").is_file():
         path = path / "export"
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
-            f"eval.student {path} is not a checkpoint folder (no config.json); point it at the student the trainer "
+            f"{key}={path} is not a checkpoint folder (no config.json); point it at the student the trainer "
             "exported (<train output_dir>/export, a from_pretrained folder)"
         )
     return path
 
 
-def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, KeepSet | None]:
+def load_student(path: str | Path, full_model: nn.Module,
+                 key: str = "eval.student") -> tuple[nn.Module, KeepSet | None]:
     """(student model, the keep set it was pruned with or None) from an exported checkpoint folder: the decoder of
     slimwise_distill and the whole model of conventional_distill (as loaded: physically pruned, no masking).
 
@@ -272,25 +292,45 @@ def load_student(path: str | Path, full_model: nn.Module) -> tuple[nn.Module, Ke
     except ImportError:  # pragma: no cover - the trainer's export module is optional here
         pass
 
-    path = check_student_path(path)
+    path = check_student_path(path, key)
+    _check_distilled_from(path, full_model, key)
     param = next(full_model.parameters())
     from slimwise_train.models import from_pretrained_or_explain
 
-    student = from_pretrained_or_explain(AutoModelForCausalLM.from_pretrained, str(path), "eval.student",
+    student = from_pretrained_or_explain(AutoModelForCausalLM.from_pretrained, str(path), key,
                                          dtype=param.dtype).to(param.device).eval()
     full_vocab = full_model.get_output_embeddings().weight.shape[0]
     student_vocab = student.get_output_embeddings().weight.shape[0]
     if student_vocab != full_vocab:
-        raise ValueError(f"eval.student {path} has a {student_vocab}-token vocabulary but the model has {full_vocab}; "
+        raise ValueError(f"{key}={path} has a {student_vocab}-token vocabulary but the model has {full_vocab}; "
                          "it was made from another model")
     full_type, student_type = full_model.config.model_type, student.config.model_type
     full_layers = text_config(full_model).num_hidden_layers
     student_layers = text_config(student).num_hidden_layers
     if student_type not in (full_type, f"slimwise_{full_type}") or student_layers != full_layers:
-        raise ValueError(f"eval.student {path} is a {student_type} with {student_layers} layers but the model is a "
+        raise ValueError(f"{key}={path} is a {student_type} with {student_layers} layers but the model is a "
                          f"{full_type} with {full_layers}; it was made from another model")
     keep_file = path / "slimwise_keep_set.json"
     return student, KeepSet.load(keep_file) if keep_file.is_file() else None
+
+
+def _check_distilled_from(path: Path, full_model: nn.Module, key: str) -> None:
+    """A distilled export records its teacher's cache fingerprint (embeddings and attention, which distillation
+    leaves alone): a student of another teacher would decode on a cache written by weights it never saw. Compared
+    by content, before the student loads; an export without the record (a pruned checkpoint) is not checked."""
+    from slimwise_train.utils.fingerprint import model_cache_fingerprint
+
+    record = path / "slimwise_export.json"
+    if not record.is_file():
+        return
+    try:
+        recorded = json.loads(record.read_text()).get("cache_fingerprint")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        raise ValueError(f"{key}={path}: {record.name} is not a JSON object; export the student again") from None
+    if recorded and recorded != model_cache_fingerprint(full_model):
+        raise ValueError(f"{key}={path} was distilled from another model (its teacher's embeddings and attention, "
+                         f"cache fingerprint {recorded[:12]}, are not this model's): evaluate it with the model it was "
+                         "trained from (the train run's model.*)")
 
 
 # ----------------------------------------------------------------------------------------------- evaluate

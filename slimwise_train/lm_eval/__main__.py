@@ -126,7 +126,10 @@ def main(argv: list[str] | None = None) -> None:
     from slimwise_train.utils.cli import user_errors
 
     argv = with_defaults(sys.argv[1:] if argv is None else argv)
-    with user_errors("slimwise_train.lm_eval"):
+    # lm-eval writes its results, and this its lengths, once every request is answered
+    with user_errors("slimwise_train.lm_eval", interrupted="no results or lengths were written (lm-eval writes them "
+                                                           "at the end; a --use_cache database keeps the answers so "
+                                                           "far)"):
         import slimwise_train.lm_eval  # noqa: F401  registers the slimwise model
         from lm_eval.__main__ import cli_evaluate
 

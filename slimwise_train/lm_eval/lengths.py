@@ -12,10 +12,12 @@ Files written into the folder of lm-eval's results (each atomically):
     slimwise_report.md             every run in the folder side by side: one table per keep set, rows = modes
     slimwise_lengths_<keep>.png    length CDF per task, one line per mode
 
-`<run>` is the mode, plus the keep set's name for pruned modes, so the six modes of one keep set run into one
-`--output_path` build up one comparison. Length = generated tokens incl. EOS (or the token that completed a stop
-string); hit_budget = ended by max_gen_toks; collapse = ended (EOS or stop) shorter than half the reference answer
-(lm-eval's target, tokens + 1 for EOS; null without --log_samples).
+`<run>` is the mode, plus for pruned modes the keep set's name and 8 hex digits of a digest of its content (and of the
+student's weight files for the distilled modes), so the six modes of one keep set run into one `--output_path`
+build up one comparison, and two keep sets whose paths end alike (`a/r0.5`, `b/r0.5`) never overwrite each other.
+Length = generated tokens incl. EOS (or the token that completed a stop string); hit_budget = ended by max_gen_toks;
+collapse = ended (EOS or stop) shorter than half the reference answer (lm-eval's target, tokens + 1 for EOS; null
+without --log_samples).
 """
 
 from __future__ import annotations
@@ -34,21 +36,41 @@ REPORT_NAME = "slimwise_report.md"
 
 
 # ----------------------------------------------------------------------------------------------- lm-eval outputs
-def primary_metric(task_results: dict) -> tuple[str, float] | None:
-    """(name, value) of a task's first metric in lm-eval's results (`acc,none` -> acc), or None."""
-    for key, value in task_results.items():
-        if key == "alias" or "_stderr" in key or not isinstance(value, (int, float)):
-            continue
-        return key.split(",")[0], float(value)
+def declared_metrics(results: dict | None, task: str) -> list[str]:
+    """The metrics `task` declares, in its order: its config's `metric_list` (what lm-eval aggregates and prints), else
+    the keys of lm-eval's `higher_is_better` for it. Never a bookkeeping entry of the results (`sample_len`,
+    `alias`, `name`): those are no accuracy."""
+    config = ((results or {}).get("configs") or {}).get(task) or {}
+    names = [entry.get("metric") for entry in config.get("metric_list") or () if isinstance(entry, dict)]
+    names = [name for name in names if isinstance(name, str)]  # a metric given as a function has no result key
+    if not names:
+        names = list(((results or {}).get("higher_is_better") or {}).get(task) or {})
+    return names
+
+
+def primary_metric(results: dict | None, task: str) -> tuple[str, str, float] | None:
+    """(metric, filter, value) of `task`'s first declared metric (`declared_metrics`) in lm-eval's results, under the
+    first filter that reports it (`exact_match,strict-match` -> exact_match, strict-match); None when the results hold
+    none of the declared metrics (no accuracy is better than a count taken for one)."""
+    task_results = ((results or {}).get("results") or {}).get(task) or {}
+    for metric in declared_metrics(results, task):
+        for key, value in task_results.items():
+            name, _, filter_key = key.partition(",")
+            if name == metric and isinstance(value, (int, float)) and not isinstance(value, bool):
+                return metric, filter_key or "none", float(value)
     return None
 
 
-def per_sample(samples: Sequence[dict] | None, tokenizer) -> dict[int, dict]:
-    """{doc_id: {"correct": bool|None, "reference_tokens": int|None}} from lm-eval's logged samples."""
+def per_sample(samples: Sequence[dict] | None, tokenizer, metric: str | None = None,
+               filter_key: str | None = None) -> dict[int, dict]:
+    """{doc_id: {"correct": bool|None, "reference_tokens": int|None}} from lm-eval's logged samples: correct is the
+    sample's `metric` (the task's primary metric) under `filter_key` (a task with several filters logs each document
+    once per filter); None where the sample does not report it."""
     out = {}
     for sample in samples or ():
-        metrics = sample.get("metrics") or []
-        correct = bool(sample[metrics[0]]) if metrics and metrics[0] in sample else None
+        if filter_key is not None and sample.get("filter", filter_key) != filter_key:
+            continue
+        correct = bool(sample[metric]) if metric is not None and metric in sample else None
         target = sample.get("target")
         reference = (len(tokenizer(str(target), add_special_tokens=False)["input_ids"]) + 1
                      if isinstance(target, str) and target else None)
@@ -79,12 +101,18 @@ def run_name(info: dict) -> str:
 
     if info["mode"] == "full" or not info.get("keep_set"):
         return info["mode"]
-    return f"{info['mode']}_{keep_set_name(info['keep_set'], set())}"
+    name = f"{info['mode']}_{keep_set_name(info['keep_set'], set())}"
+    if info.get("run_digest"):  # summaries written before 2026-12-07 have none
+        name += f"-{info['run_digest'][:8]}"
+    return name
 
 
 def annotate(records: Sequence[dict], results: dict | None, samples: dict[str, list], tokenizer) -> list[dict]:
     """Records with correct / reference_tokens from lm-eval's samples (None where not logged), in task, doc order."""
-    known = {task: per_sample(rows, tokenizer) for task, rows in samples.items()}
+    known = {}
+    for task, rows in samples.items():
+        metric = primary_metric(results, task)
+        known[task] = per_sample(rows, tokenizer, *(metric[:2] if metric else (None, None)))
     out = []
     for record in sorted(records, key=lambda r: (str(r["task"]), r["doc_id"] or 0, r.get("idx", 0))):
         extra = known.get(record["task"], {}).get(record["doc_id"], {})
@@ -116,8 +144,8 @@ def summarize_records(records: Sequence[dict], results: dict | None = None) -> d
     rows = summarize(problems, record, task_budgets(records))
     for task, row in rows.items():
         if row["accuracy"] is None and results and task in results.get("results", {}):
-            metric = primary_metric(results["results"][task])
-            row["accuracy"] = metric[1] if metric else None
+            metric = primary_metric(results, task)
+            row["accuracy"] = metric[2] if metric else None
             row["accuracy_metric"] = metric[0] if metric else None
     return rows
 
@@ -199,9 +227,12 @@ def combined_results(runs: list[tuple[dict, list[dict]]]) -> dict:
         keep = None
         if summary["mode"] != "full" and summary.get("keep_set"):
             path = summary["keep_set"]
-            if path not in taken:
-                taken[path] = keep_set_name(path, set(taken.values()))
-            keep = taken[path]
+            # one table per keep set by content: the same keep set named by two paths is one, two keep sets whose
+            # paths end alike are two (summaries written before 2026-12-07 have no digest: by path)
+            same = summary.get("keep_set_digest") or path
+            if same not in taken:
+                taken[same] = keep_set_name(path, set(taken.values()))
+            keep = taken[same]
             keep_sets[keep] = {"path": path, "num_kept": summary.get("num_kept"),
                                "num_experts": summary.get("num_experts"), "keep_fraction": summary.get("keep_fraction")}
             if summary.get("top_k"):  # summaries written before 2026-12-02 lack it: no bound in their report

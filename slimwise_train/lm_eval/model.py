@@ -117,12 +117,14 @@ class SlimwiseLM(TemplateLM):
                  max_batch_size: int | None = None, max_gen_toks: int | str = 256, max_length: int | str | None = None,
                  chat_template: bool | str = False, add_bos_token: bool | str | None = None,
                  skip_special_tokens: bool | str = False, trust_remote_code: bool | str = False,
-                 revision: str | None = None, progress: bool | str = True, **unknown):
+                 revision: str | None = None, progress: bool | str = True,
+                 allow_foreign_keep_set: bool | str = False, **unknown):
         super().__init__()
         if unknown:
             raise ValueError(f"unknown slimwise model_args {sorted(unknown)}; known: pretrained, keep_set, mode, "
                              "student, dtype, device, batch_size, max_gen_toks, max_length, chat_template, "
-                             "add_bos_token, skip_special_tokens, trust_remote_code, revision, progress")
+                             "add_bos_token, skip_special_tokens, trust_remote_code, revision, progress, "
+                             "allow_foreign_keep_set")
         mode = MODE_ALIASES.get(str(mode), str(mode))
         if mode not in MODES:
             raise ValueError(f"slimwise model_args mode={mode!r} is unknown; use one of {list(MODES)}")
@@ -140,7 +142,8 @@ class SlimwiseLM(TemplateLM):
         self.skip_special_tokens = _as_bool(skip_special_tokens, "skip_special_tokens")
         self.progress = _as_bool(progress, "progress")
         self._init_distributed(device)
-        self._load(pretrained, keep_set, student, dtype, _as_bool(trust_remote_code, "trust_remote_code"), revision)
+        self._load(pretrained, keep_set, student, dtype, _as_bool(trust_remote_code, "trust_remote_code"), revision,
+                   _as_bool(allow_foreign_keep_set, "allow_foreign_keep_set"))
         config = text_config(self.model)
         self._max_length = (_as_int(max_length, "max_length", 2) if max_length is not None
                             else int(getattr(config, "max_position_embeddings", 2048)))
@@ -169,33 +172,36 @@ class SlimwiseLM(TemplateLM):
             resolved = torch.device("cuda", du.cuda_index())
         self._device = resolved
 
-    def _load(self, pretrained, keep_set, student, dtype, trust_remote_code, revision) -> None:
+    def _load(self, pretrained, keep_set, student, dtype, trust_remote_code, revision, allow_foreign) -> None:
+        """The keep set and the student are checked before the weights load (moe/keepset_rules.py: the file, its
+        family, the weights it was scored on; the student's folder), then the model, then what needs its weights."""
         from omegaconf import OmegaConf
 
         from slimwise_train.config import ModelConfig
         from slimwise_train.eval.generation import check_student_path, load_student
-        from slimwise_train.models import load_model, model_identity
-        from slimwise_train.moe.keepset import KeepSet
+        from slimwise_train.models import load_config, load_model, model_identity, model_weights
+        from slimwise_train.moe.keepset_rules import check_fits, keep_set_for_run
         from slimwise_train.moe.masking import PhaseMasking
 
         model_cfg = OmegaConf.structured(ModelConfig(name=Path(str(pretrained)).name or str(pretrained),
                                                      path=str(pretrained), dtype=str(dtype), revision=revision,
                                                      trust_remote_code=trust_remote_code))
-        self.model, self.tokenizer = load_model(model_cfg, self._device)
-        self.identity = model_identity(model_cfg)
         self.keep_set, self.keep_set_path, self.masking, self.student, self.student_path = None, None, None, None, None
         if keep_set:
             self.keep_set_path = str(keep_set)
-            try:
-                self.keep_set = KeepSet.load(keep_set)
-                self.keep_set.check_model(self.model)
-            except (ValueError, FileNotFoundError) as exc:
-                raise ValueError(f"keep_set={keep_set}: {exc}") from None
+            self.keep_set = keep_set_for_run(keep_set, "keep_set", config=load_config(model_cfg),
+                                             model=model_weights(model_cfg), allow_foreign=allow_foreign,
+                                             allow_key="model_args allow_foreign_keep_set")
+        if student:
+            self.student_path = str(check_student_path(student, key="student"))
+        self.model, self.tokenizer = load_model(model_cfg, self._device)
+        self.identity = model_identity(model_cfg)
+        if self.keep_set is not None:
+            check_fits(self.keep_set, self.model, f"keep_set={keep_set}")
             # One masking for the model's lifetime: every request picks its phases explicitly.
             self.masking = PhaseMasking(self.model, self.keep_set)
         if student:
-            self.student_path = str(check_student_path(student))
-            self.student, student_keep = load_student(student, self.model)
+            self.student, student_keep = load_student(student, self.model, key="student")
             if student_keep is not None and student_keep != self.keep_set:
                 raise ValueError(f"student={student} was pruned with another keep set (kept per layer "
                                  f"{list(student_keep.num_kept)}) than keep_set={keep_set}; pass its own keep set")
@@ -455,7 +461,21 @@ class SlimwiseLM(TemplateLM):
             info["num_experts"] = [layer.num_experts for layer in self.keep_set]
             info["top_k"] = [layer.top_k for layer in self.keep_set]  # the report's expert-bytes bound
             info["keep_fraction"] = self.keep_set.keep_fraction
+            info["keep_set_digest"] = self.keep_set.digest()  # the report's tables: one per keep set content
+            info["run_digest"] = self.run_digest()
         return info
+
+    def run_digest(self) -> str:
+        """sha256 of what the pruned decoder is made of: the keep set's content and, in the student modes, the
+        student's weight files (their content, not their path): names this run's output files."""
+        import hashlib
+
+        from slimwise_train.utils.fingerprint import weight_files_digest
+
+        parts = [self.keep_set.digest()]
+        if self.student_path:
+            parts.append(weight_files_digest(self.student_path) or str(Path(self.student_path).resolve()))
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
     def gathered_records(self) -> list[dict] | None:
         """Every rank's length records on rank 0 (None elsewhere); a collective under data parallelism."""

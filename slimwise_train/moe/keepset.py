@@ -15,6 +15,7 @@ JSON form (``format: slimwise-keepset/1``)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -236,6 +237,12 @@ class KeepSet:
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where} is not valid JSON: {exc}") from None
         return cls.from_dict(data, where, require_model_type=require_model_type)
+
+    def digest(self) -> str:
+        """sha256 (hex) of what the keep set keeps: model_type and every layer's counts, top-k and kept experts (meta
+        ignored, as `==` does). Names outputs by content: two keep sets whose paths end alike never share a name."""
+        content = {"model_type": self.model_type, "layers": self.to_dict()["layers"]}
+        return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
     def same_experts(self, other: "KeepSet") -> bool:
         """The same kept experts per layer (and counts, top-k) for the same family; model_type is compared only when

@@ -216,7 +216,14 @@ def describe(model_cfg, prune_cfg, distill_cfg, dtype: torch.dtype = torch.bfloa
     adapter = get_adapter(model)
     moe_layers = adapter.moe_layers(model)
     tcfg = text_config(model)
-    keep_set = keep_set_from_scores(model, None, prune_cfg.ratio, prune_cfg.scope, adapter=adapter)
+    if prune_cfg.get("keep_set"):  # the trainer's keep set (was ignored: a uniform plan at prune.ratio instead)
+        from slimwise_train.moe.keepset import KeepSet
+        from slimwise_train.moe.keepset_rules import check_fits
+
+        keep_set = KeepSet.load(prune_cfg.keep_set, key="prune.keep_set")
+        check_fits(keep_set, model, f"prune.keep_set={prune_cfg.keep_set}")
+    else:
+        keep_set = keep_set_from_scores(model, None, prune_cfg.ratio, prune_cfg.scope, adapter=adapter)
     expert_params = {m.layer_index: _numel(m.experts) for m in moe_layers}
     with torch.device("meta"):  # the student's random init of its shared experts costs nothing on meta
         student = DistillModel(model, keep_set, StudentSpec.from_config(distill_cfg), adapter=adapter,

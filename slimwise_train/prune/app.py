@@ -16,11 +16,9 @@ criteria calibrates once.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import Any, NamedTuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -28,9 +26,13 @@ from omegaconf import DictConfig, OmegaConf
 from slimwise_train.config import CONF_DIR, PruneAppConfig, check_known_keys, register_configs
 from slimwise_train.utils import distributed as du
 from slimwise_train.utils.cli import hydra_app, user_errors
-from slimwise_train.utils.rundir import check_writable, claim_output_dir, die_with_launcher
+from slimwise_train.utils.rundir import (check_outputs_spare_inputs, check_writable, claim_output_dir,
+                                         die_with_launcher)
 
 log = logging.getLogger("slimwise.prune")
+# what _write_outputs writes into output_dir (pruned/ is replaced whole)
+OUTPUTS = ("pruned", "scores.safetensors", "keep_set.json", "router_mask.safetensors", "prune_config.yaml",
+           "prune_summary.json")
 
 
 def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
@@ -43,69 +45,24 @@ def router_mask_tensors(keep_set) -> dict[str, torch.Tensor]:
     return tensors
 
 
-class Scored(NamedTuple):
-    """What `score_keep_set` computed: the keep set (its meta included), the statistics, their metadata and the
-    model's fingerprint (what the prune app writes beside the keep set)."""
-
-    keep_set: Any
-    stats: Any
-    stats_meta: dict
-    fingerprint: dict
-
-
-def score_keep_set(model, tokenizer, cfg, *, data_key: str = "data", loading=None, checkpoint=None) -> Scored:
-    """The prune stage's scoring, the one sequence the prune app and the trainer (prune.keep_set=null) both run: the
-    ratio checked against the model before any calibration, the weight fingerprint, the statistics (a scores file, the
-    cache or a calibration on `cfg.data`), the criterion's [L, E] scores, `keep_set_from_scores`.
-
-    cfg: `prune`, `data` (the calibration set; `data_key` names it in errors: the trainer's is `calibration`),
-    `model` and `progress`. loading: engine=zero3's partitioned loading (`.gathered`, `.gathered_inference`), whose
-    parameters are gathered for the fingerprint and around each module's forward; None: the model is whole.
-    checkpoint: prune.calibration.mode=layerwise, the `LazyCheckpoint` behind `model` (its meta-device skeleton),
-    read one decoder layer at a time for the fingerprint and the calibration (prune/layerwise.py)."""
-    from slimwise_train.models import model_identity
-    from slimwise_train.moe.adapters import get_adapter
-    from slimwise_train.prune.criteria import get_criterion, keep_set_from_scores, validate_prune_config
-    from slimwise_train.prune.statistics import compute_or_load_statistics, model_fingerprint
-
-    validate_prune_config(cfg.prune)
-    calibration = cfg.prune.get("calibration")  # absent from configs saved before it existed
-    layerwise = calibration is not None and calibration.mode == "layerwise"
-    if layerwise and checkpoint is None:
-        raise ValueError("prune.calibration.mode=layerwise is the prune app's (python -m slimwise_train.prune): the "
-                         "trainer scores the model it holds; drop it, or prune first and pass prune.keep_set")
-    adapter = get_adapter(model)
-    keep_set_from_scores(model, None, cfg.prune.ratio, cfg.prune.scope, adapter=adapter)  # a bad ratio fails here
-    collector = None
-    if layerwise:
-        from slimwise_train.prune.layerwise import layerwise_collector, streamed_weights_digest
-
-        digest = streamed_weights_digest(checkpoint, cfg.prune.cache_dir, cfg.progress) if du.is_rank0() else None
-        fingerprint = model_fingerprint(model, adapter, digest=du.broadcast_object(digest))
-        collector = layerwise_collector(checkpoint, cfg)
-    else:
-        fingerprint = model_fingerprint(model, adapter, gather=loading.gathered if loading else None)
-    with loading.gathered_inference(model) if loading else contextlib.nullcontext():
-        stats, stats_meta, source = compute_or_load_statistics(model, tokenizer, cfg, fingerprint, data_key=data_key,
-                                                               collector=collector)
-    du.barrier()  # rank 0 has written the statistics cache: a next job (a sweep) sees it on every rank
-    meta = {"criterion": cfg.prune.criterion, "ratio": cfg.prune.ratio, "scope": cfg.prune.scope,
-            "model": model_identity(cfg.model), "statistics": source}
-    keep_set = keep_set_from_scores(model, get_criterion(cfg.prune.criterion)(stats), cfg.prune.ratio,
-                                    cfg.prune.scope, adapter=adapter, meta=meta)
-    return Scored(keep_set, stats, stats_meta, fingerprint)
-
-
 def run_prune(cfg) -> dict:
     """The whole prune job; returns the summary. Importable for tests and notebooks."""
-    from slimwise_train.models import load_model
+    from slimwise_train.models import load_model, resolve_path
     from slimwise_train.moe.adapters import get_adapter
-    from slimwise_train.moe.pruning import check_exportable
+    from slimwise_train.moe.keepset_rules import check_exportable, check_fits
     from slimwise_train.prune.criteria import validate_prune_config
+    from slimwise_train.prune.scoring import score_keep_set
 
     check_known_keys(cfg, PruneAppConfig)
     validate_prune_config(cfg.prune)
+    if cfg.prune.keep_set:
+        raise ValueError(f"prune.keep_set={cfg.prune.keep_set} is what the trainer and eval read; the prune app "
+                         "scores a new keep set: drop prune.keep_set (or pass it to python -m slimwise_train / eval)")
     check_writable(Path(cfg.output_dir), create=False)
+    out = Path(cfg.output_dir)
+    check_outputs_spare_inputs({name: out / name for name in OUTPUTS},
+                               {"model.path": resolve_path(cfg.model.path),
+                                "model.tokenizer": resolve_path(cfg.model.tokenizer), "data.source": cfg.data.source})
     checkpoint = None
     if cfg.prune.calibration.mode == "layerwise":  # the model stays in its files: a meta-device skeleton
         from slimwise_train.models import resolve_device
@@ -118,9 +75,10 @@ def run_prune(cfg) -> dict:
     adapter = get_adapter(model)
     keep_set, stats, stats_meta, fingerprint = score_keep_set(model, tokenizer, cfg, checkpoint=checkpoint)
     meta = keep_set.meta
-    keep_set.check_model(model, adapter)
+    where = f"the keep set scored with prune.scope={cfg.prune.scope}"
+    check_fits(keep_set, model, where)
     if cfg.prune.export_checkpoint:
-        check_exportable(adapter, model, keep_set)
+        check_exportable(keep_set, model.config, where, "prune.export_checkpoint")
     mass = stats.mass_all
     kept_mass = [float(mass[i, list(lk.kept)].sum() / mass[i].sum()) if mass[i].sum() > 0 else 0.0
                  for i, lk in enumerate(keep_set)]
@@ -168,7 +126,8 @@ def _write_outputs(cfg, out: Path, model, tokenizer, keep_set, stats, stats_meta
 register_configs()
 
 
-@hydra_app(CONF_DIR, "prune", "slimwise_train.prune", schema=PruneAppConfig, check=check_known_keys)
+@hydra_app(CONF_DIR, "prune", "slimwise_train.prune", schema=PruneAppConfig, check=check_known_keys,
+           interrupted="nothing was written (prune writes its outputs at the end; statistics already cached stay)")
 def main(cfg: DictConfig) -> None:
     die_with_launcher()
     with du.job_process_group(), user_errors("slimwise_train.prune"):

@@ -43,14 +43,19 @@ def _report_to_torchrun(line: str) -> None:
 
 
 @contextlib.contextmanager
-def user_errors(prog: str) -> Iterator[None]:
+def user_errors(prog: str, interrupted: str | None = None) -> Iterator[None]:
     """Turn a user error into `<prog>: error: <message>` on stderr and exit code 2 (no traceback); a MachineFault or
-    a full disk into one such line and exit code 1.
+    a full disk into one such line and exit code 1; with `interrupted` (what of the run is kept), Ctrl-C into
+    `<prog>: interrupted (Ctrl-C): <interrupted>` and exit code 130.
 
     Under torchrun only rank 0 prints it (every rank hits the same bad input); the others exit quietly with the
     same code."""
     try:
         yield
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        _exit_with(f"{prog}: interrupted (Ctrl-C): {interrupted}", 130)
     except USER_ERRORS as exc:
         _exit_with(f"{prog}: error: {exc}", 2)
     except Exception as exc:
@@ -150,6 +155,85 @@ def _override_variants(overrides: list[str]) -> list[list[str]]:
     return variants
 
 
+def _shown_dict(values: dict) -> str:
+    return "{" + ", ".join(f"{k}: {v}" for k, v in values.items()) + "}"
+
+
+def _check_whole_dict_overrides(variant: list[str], compose: Callable[[list[str]], object]) -> None:
+    """Refuse `key={...}` aimed at a dict the config already has (distill.loss.terms, model.tiny_overrides): Hydra
+    merges a dict given whole into the one there, so `distill.loss.terms={kl: 1.0}` kept ce at 0.1, `{}` changed
+    nothing, and a key not there (`{full_kl: 1.0}`) failed with "not in struct". The line spells the overrides that
+    do make the dict the one given (`~` removes a key, `+` adds one). A null field (eval.budget) takes the dict as
+    given and is not refused; `compose(overrides)` composes the variant without the dict overrides to see what is
+    there."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parsed = OverridesParser.create().parse_overrides(variant)
+    # `+key={...}` and `++key={...}` on a dict that is there merge the same way
+    whole = {i: o for i, o in enumerate(parsed) if not o.is_delete() and isinstance(o.value(), dict)}
+    if not whole:
+        return
+    base = compose([line for i, line in enumerate(variant) if i not in whole])
+    for i, override in whole.items():
+        key = override.key_or_group
+        there = OmegaConf.select(base, key, default=None)
+        if not OmegaConf.is_dict(there):
+            continue
+        there, given = OmegaConf.to_container(there), override.value()
+        if set(there) == set(given):
+            continue
+        kept, added = [k for k in there if k not in given], [k for k in given if k not in there]
+        effect = "; ".join(part for part in (
+            f"it would keep {', '.join(map(str, kept))}" if kept else "",
+            f"it cannot add {', '.join(map(str, added))} that way"
+            if added and not (override.is_add() or override.is_force_add()) else "") if part)
+        spelling = [f"~{key}.{k}" for k in kept]
+        spelling += [f"{'' if k in there else '+'}{key}.{k}={v}" for k, v in given.items()]
+        raise ValueError(f"{variant[i]}: Hydra merges a dict given whole into the one there ({_shown_dict(there)}): "
+                         f"{effect}; to make {key} {_shown_dict(given)} write "
+                         f"{' '.join(spelling) if spelling else '(nothing to change)'}")
+
+
+def _add_with_plus(overrides: list[str], exc: BaseException) -> str:
+    """`; a new key of a dict is added with +distill.loss.terms.full_kl=1.0` where Hydra refused a key a free-form
+    dict does not have yet ("not in struct"), given without `+`; "" otherwise (a typed schema's unknown key is
+    check_known_keys' to name)."""
+    import re
+
+    text = " ".join(str(e) for e in (exc, exc.__cause__) if e is not None)
+    missing = re.search(r"Key '([^']+)' is not in struct", text)
+    if not missing:
+        return ""
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if not key.startswith(("+", "~")) and key.split(".")[-1] == missing.group(1):
+            return f"; a new key of a dict is added with +{override}"
+    return ""
+
+
+def _unquoted_value(overrides: list[str]) -> str | None:
+    """The fix for an override Hydra's grammar cannot read unquoted (a non-ASCII path: Hydra says only
+    `LexerNoViableAltException: <override>`): quote the value for Hydra, inside the shell's quotes. None when every
+    override parses alone (the error is another one)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except HydraException:
+            key, sep, value = override.partition("=")
+            if not sep or value[:1] in ("'", '"'):
+                continue
+            # Hydra's quotes inside the shell's: '"..."' in single quotes, or "'...'" where the value holds a "
+            fix = f"'{key}=\"{value}\"'" if '"' not in value else f"\"{key}='{value}'\""
+            return (f"{override}: Hydra's override grammar reads an unquoted value as ASCII letters, digits and a few "
+                    f"symbols only; quote the value for Hydra inside the shell's quotes: {fix}")
+    return None
+
+
 def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir: str,
                      check: Callable | None = None, schema: type | None = None,
                      moved: Callable[[str], str | None] | None = None):
@@ -169,6 +253,7 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir
         first = None
         with initialize_config_dir(config_dir=conf_dir, version_base=None):
             for variant in variants:
+                _check_whole_dict_overrides(variant, lambda lines: compose(config_name, overrides=lines))
                 cfg = compose(config_name, overrides=variant, return_hydra_config=True)
                 first = first if first is not None else cfg
                 if check is not None:
@@ -181,7 +266,9 @@ def _compose_or_exit(config_name: str, prog: str, overrides: list[str], conf_dir
         plain = isinstance(exc, ValueError) and not isinstance(exc, (HydraException, OmegaConfBaseException))
         # a flat distill key of before the groups (distill.lr): where it moved, rather than Hydra's "not in struct"
         renamed = _moved_key(overrides, exc, moved) if moved is not None and not plain else None
-        line = f"{prog}: error: {renamed or (exc if plain else _one_line(exc))}"  # check_known_keys' line, or Hydra's
+        quoted = _unquoted_value(overrides) if "LexerNoViableAlt" in str(exc) else None
+        hydras = exc if plain else _one_line(exc) + _add_with_plus(overrides, exc)
+        line = f"{prog}: error: {renamed or quoted or hydras}"  # check_known_keys' line, or Hydra's
         if int(os.environ.get("RANK", "0")) == 0:
             print(line, file=sys.stderr)
         _report_to_torchrun(line)
@@ -264,7 +351,8 @@ def _print_help(task: Callable, conf_dir: str, config_name: str, prog: str, sche
 
 def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = True,
               schema: type | None = None, check: Callable | None = None,
-              moved: Callable[[str], str | None] | None = None) -> Callable[[Callable], Callable[[], None]]:
+              moved: Callable[[str], str | None] | None = None,
+              interrupted: str = "nothing of this run was kept") -> Callable[[Callable], Callable[[], None]]:
     """`@hydra.main` for the slimwise apps, with what each of them needs before and around the job:
 
     - the overrides are composed first, so a bad one (an unknown preset, `world_size=abc`) is one line and exit 2
@@ -275,6 +363,8 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
       computes nothing and its `json_only` output must stay one line);
     - `-h` / `--help` print the app's own help (groups with their presets, every key with its value and the
       description from `schema`, the typed app config; default: the composed config's own type), exit 0;
+    - Ctrl-C is one line, `<prog>: interrupted (Ctrl-C): <interrupted>` (what of the run is kept and how to go on),
+      and exit 130 (128 + SIGINT), not a traceback;
       `--hydra-help` is Hydra's;
     - `check(cfg, schema)` (the apps: config.check_known_keys) runs on every composed variant before anything is
       created: a value outside a Literal field's choices is one line and exit 2, and no folder;
@@ -317,7 +407,10 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
             cfg = _compose_or_exit(config_name, prog, [a for a in args if a not in ("-m", "--multirun")], conf_dir,
                                    check, schema, moved)
             if multirun or cfg is None:
-                return run_hydra()
+                try:
+                    return run_hydra()
+                except KeyboardInterrupt:
+                    _exit_with(f"{prog}: interrupted (Ctrl-C): {interrupted}", 130)
             from omegaconf import OmegaConf
 
             from slimwise_train.utils.rundir import check_writable
@@ -344,7 +437,7 @@ def hydra_app(conf_dir: str, config_name: str, prog: str, set_threads: bool = Tr
                 raise
             except KeyboardInterrupt:
                 run_folder.undo(only_if_untouched=True)
-                raise
+                _exit_with(f"{prog}: interrupted (Ctrl-C): {interrupted}", 130)
 
         return main
 

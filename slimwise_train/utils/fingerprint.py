@@ -10,7 +10,9 @@ and the llama.cpp handoff compares it (serve/handoff.py).
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -48,3 +50,56 @@ def model_cache_fingerprint(model: torch.nn.Module) -> str:
     """The fingerprint of an in-memory model (a student before its LoRA is merged: the teacher's attention)."""
     named = ((canonical_name(n), p) for n, p in model.named_parameters())
     return cache_fingerprint_of((n, p) for n, p in named if n is not None)
+
+
+# --------------------------------------------------------------------------- the weight files of a checkpoint folder
+# What a keep set records of the model it was scored on (moe/keepset_rules.py): a byte-identical copy of a checkpoint
+# at another path is the same model, a fine-tune at the same path is not. Hashing the files, not the loaded tensors,
+# makes the record independent of the dtype a run loads in (prune on a CPU in float32, train on a GPU in bfloat16)
+# and lets the check run before the weights load.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def weight_files(folder) -> list:
+    """The weight files of a checkpoint folder (its top level: shards sit there), by name; hidden files (a writer's
+    temporaries) left out."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir()
+                  if p.suffix in WEIGHT_SUFFIXES and not p.name.startswith(".") and p.is_file())
+
+
+def weight_files_state(folder) -> dict[str, list[int]]:
+    """{file name: [size, mtime_ns]} of the weight files: unchanged means not rewritten since (as git's index
+    assumes), so a digest recorded with this state holds without reading the files again."""
+    return {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in weight_files(folder)}
+
+
+_DIGESTS: dict[tuple, str] = {}  # (folder, state) -> digest: a process hashes each folder once
+
+
+def weight_files_digest(folder) -> str | None:
+    """SHA-256 (hex) over the weight files' names and bytes, in name order; None for a folder without any. Shows a
+    progress bar above 1 GiB (hashing runs at disk speed: about a minute for 60 GB)."""
+    from tqdm.auto import tqdm
+
+    files = weight_files(folder)
+    if not files:
+        return None
+    state = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    key = (os.path.realpath(folder), state)
+    if key in _DIGESTS:
+        return _DIGESTS[key]
+    total = sum(size for _, size, _ in state)
+    digest = hashlib.sha256()
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"hashing the weights of {folder}",
+              disable=total < 1 << 30) as bar:
+        for path in files:
+            digest.update(path.name.encode() + b"\0")
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+                    bar.update(len(block))
+    _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]

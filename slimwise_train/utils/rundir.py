@@ -46,6 +46,23 @@ def check_writable(path: Path, what: str = "output folder", create: bool = True)
                          "(output_dir=... or hydra.run.dir=...)") from None
 
 
+def check_outputs_spare_inputs(outputs: dict[str, Path], inputs: dict[str, str | None]) -> None:
+    """Refuse, before anything is written, a run whose outputs would replace one of its own inputs: an input path (a
+    model folder, a tokenizer, a data file: `inputs`, {config key: path}) equal to, or inside, an output the run
+    writes or replaces (`outputs`, {what: path}; a folder output is replaced whole). Inputs that are not local paths
+    (hub ids, recipe names) are skipped."""
+    resolved = {what: Path(os.path.realpath(path)) for what, path in outputs.items()}
+    for key, value in inputs.items():
+        if not value or not Path(str(value)).expanduser().exists():
+            continue
+        source = Path(os.path.realpath(Path(str(value)).expanduser()))
+        for what, target in resolved.items():
+            if source == target or target in source.parents:
+                raise ValueError(f"{key}={value} is {'' if source == target else 'inside '}{target}, which this run "
+                                 f"writes ({what}): it would replace its own input; choose another output folder, or "
+                                 f"move the input out of it")
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
