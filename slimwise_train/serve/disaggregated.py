@@ -25,6 +25,7 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,12 +49,22 @@ def slot_folder_root() -> Path | None:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def _wait_exit(server: LlamaServer | None, timeout: float = 1.0) -> None:
+    """Give a process whose connection just broke a moment to be reaped, so its exit status can be named."""
+    if server is not None:
+        try:
+            server.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # still running: the connection broke for another reason
+            pass
+
+
 class _Backend:
     """One supervised llama-server and the slots of it that are free."""
 
     def __init__(self, role: str, spec: ServerSpec, log_file: Path, startup_timeout: float, log):
         self.role, self.spec, self.log_file, self.startup_timeout, self._log = role, spec, log_file, startup_timeout, log
         self.server: LlamaServer | None = None
+        self.client: httpx.AsyncClient | None = None
         self.ready = asyncio.Event()
         self.generation = 0
         self.restarts = 0
@@ -68,6 +79,11 @@ class _Backend:
         self.ready.clear()
         self.state = "starting" if self.generation == 0 else "restarting"
         self.server = await asyncio.to_thread(LlamaServer, self.spec, self.log_file, self.startup_timeout)
+        # a client per process: no pooled connection of a dead server is ever reused
+        n = self.spec.parallel
+        self.client = httpx.AsyncClient(headers={"Authorization": f"Bearer {self.spec.api_key}"},
+                                        limits=httpx.Limits(max_connections=2 * n + 4, max_keepalive_connections=n + 2),
+                                        timeout=httpx.Timeout(600.0, connect=10.0))
         self.generation += 1
         self.free = asyncio.Queue()
         for slot in range(self.spec.parallel):
@@ -78,10 +94,11 @@ class _Backend:
     def exit_status(self) -> int | None:
         return None if self.server is None else self.server.proc.poll()
 
-    def describe_exit(self) -> str:
-        code = self.exit_status()
+    def describe_exit(self, server: LlamaServer | None = None) -> str:
+        server = server or self.server
+        code = server.proc.poll()
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-        return f"the {self.role} llama-server (pid {self.server.proc.pid}, {self.spec.gguf.name}) {how}"
+        return f"the {self.role} llama-server (pid {server.proc.pid}, {self.spec.gguf.name}) {how}"
 
     async def acquire(self) -> tuple[int, int]:
         """(slot, generation): a free slot of the running server, waiting for a restart to finish if one is going on."""
@@ -98,6 +115,9 @@ class _Backend:
             self.free.put_nowait(slot)
 
     async def stop(self) -> None:
+        if self.client is not None:
+            await self.client.aclose()
+            self.client = None
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
 
@@ -143,7 +163,6 @@ class LlamaCppEngine:
         self._own_log_dir = False
         self.slot_dir: Path | None = None
         self.backends: dict[str, _Backend] = {}
-        self._client: httpx.AsyncClient | None = None
         self._supervisor: asyncio.Task | None = None
         self._key = new_api_key()  # between this process and its llama-servers only; never written anywhere
         self.prompt_mismatches = 0  # decode evaluations of more than the one handed-over token (chat re-tokenization)
@@ -162,9 +181,6 @@ class LlamaCppEngine:
                               parallel=self.slots, api_key=self._key, chat_template_file=self.chat_template_file)
             self.backends[role] = _Backend(role, spec, self._log_dir / f"{role}-llama-server.log",
                                            self.startup_timeout, self._log)
-        limits = httpx.Limits(max_connections=4 * self.slots + 8, max_keepalive_connections=2 * self.slots + 4)
-        self._client = httpx.AsyncClient(headers={"Authorization": f"Bearer {self._key}"}, limits=limits,
-                                         timeout=httpx.Timeout(600.0, connect=10.0))
         try:
             await asyncio.gather(*(b.start() for b in self.backends.values()))
             # llama-server caps a slot's context at the model's training context: the limit is what it reports
@@ -180,9 +196,10 @@ class LlamaCppEngine:
         if self._supervisor is not None:
             self._supervisor.cancel()
             self._supervisor = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        for backend in self.backends.values():
+            if backend.client is not None:
+                await backend.client.aclose()
+                backend.client = None
         await asyncio.to_thread(self.shutdown)
 
     def shutdown(self) -> None:
@@ -219,28 +236,34 @@ class LlamaCppEngine:
         return {role: backend.restarts for role, backend in self.backends.items()}
 
     # ------------------------------------------------------------------------------------------ HTTP to llama-server
-    def _failed(self, backend: _Backend, what: str, error: Exception | str) -> BackendFailed:
-        if backend.exit_status() is not None:
-            return BackendFailed(f"{backend.describe_exit()} during {what}; it is being restarted, retry the request")
+    @staticmethod
+    def _failed(backend: _Backend, server: LlamaServer, what: str, error: Exception | str) -> BackendFailed:
+        """One line for a failed call to `server` (the process the call went to, even if a restart replaced it)."""
+        if server is not None and server.proc.poll() is not None:
+            return BackendFailed(f"{backend.describe_exit(server)} during {what}; it is being restarted, retry the "
+                                 "request")
         return BackendFailed(f"the {backend.role} llama-server failed during {what}: {str(error)[:200]}")
 
     async def _json(self, backend: _Backend, method: str, path: str, body: dict | None = None) -> dict:
+        server, client = backend.server, backend.client
         try:
-            response = await self._client.request(method, backend.url + path, json=body)
+            response = await client.request(method, backend.url + path, json=body)
         except httpx.HTTPError as error:
-            await asyncio.sleep(0.3)  # let a dying process be seen as dead
-            raise self._failed(backend, path.split("?")[0], f"{type(error).__name__} {error}") from None
+            await asyncio.to_thread(_wait_exit, server)  # a dying process: name how it ended
+            raise self._failed(backend, server, path.split("?")[0], f"{type(error).__name__} {error}") from None
         if response.status_code != 200:
-            raise self._failed(backend, path.split("?")[0], f"HTTP {response.status_code}: {response.text[:200]}")
+            raise self._failed(backend, server, path.split("?")[0],
+                               f"HTTP {response.status_code}: {response.text[:200]}")
         return response.json()
 
     async def _events(self, backend: _Backend, path: str, body: dict) -> AsyncIterator[dict]:
         """The server-sent events of a streamed llama-server request, as JSON objects."""
+        server, client = backend.server, backend.client
         try:
-            async with self._client.stream("POST", backend.url + path, json=body) as response:
+            async with client.stream("POST", backend.url + path, json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")
-                    raise self._failed(backend, path, f"HTTP {response.status_code}: {text[:200]}")
+                    raise self._failed(backend, server, path, f"HTTP {response.status_code}: {text[:200]}")
                 async for line in response.aiter_lines():
                     if not line.startswith("data: "):
                         continue
@@ -249,11 +272,11 @@ class LlamaCppEngine:
                         return
                     event = json.loads(data)
                     if "error" in event:
-                        raise self._failed(backend, path, event["error"])
+                        raise self._failed(backend, server, path, event["error"])
                     yield event
         except httpx.HTTPError as error:
-            await asyncio.sleep(0.3)
-            raise self._failed(backend, path, f"{type(error).__name__} {error}") from None
+            await asyncio.to_thread(_wait_exit, server)
+            raise self._failed(backend, server, path, f"{type(error).__name__} {error}") from None
 
     async def tokenize(self, text: str) -> list[int]:
         backend = self.backends["prefill"]
@@ -371,7 +394,7 @@ class LlamaCppEngine:
             try:
                 first = await self._json(prefill, "POST", "/completion", self._body(request, prompt, 1, p_slot, False))
                 if not first.get("tokens"):
-                    raise self._failed(prefill, "the prefill", f"no token returned: {str(first)[:200]}")
+                    raise self._failed(prefill, prefill.server, "the prefill", f"no token returned: {str(first)[:200]}")
                 timing.ttft_s = time.perf_counter() - start
                 moved = time.perf_counter()
                 saved = await self._json(prefill, "POST", f"/slots/{p_slot}?action=save", {"filename": name})
