@@ -16,7 +16,8 @@ parser (tool calls) reads the whole answer, first token included.
 
 A llama-server that dies (kill -9) fails its in-flight requests with `BackendFailed` (one line: which server, its
 exit status) and is restarted; requests that come meanwhile wait for it. `decode_gguf=None` serves the full model
-alone: one llama-server, no handoff.
+alone: one llama-server, no handoff; the same file as both is two servers of one model with the handoff between
+them (the disaggregated baseline `bench serve` compares against).
 """
 
 from __future__ import annotations
@@ -137,8 +138,6 @@ class LlamaCppEngine:
         for flag, path in (("--prefill", self.prefill_gguf), ("--decode", self.decode_gguf)):
             if path is not None and not path.is_file():
                 raise FileNotFoundError(f"{flag} {path}: no such file")
-        if self.decode_gguf is not None and self.decode_gguf.resolve() == self.prefill_gguf.resolve():
-            self.decode_gguf = None
         if parallel < 1 or n_ctx < 16:
             raise ValueError(f"--parallel must be >= 1 and --ctx >= 16, got {parallel} and {n_ctx}")
         if chat_template_file is not None and not Path(chat_template_file).is_file():

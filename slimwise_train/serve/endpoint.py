@@ -220,7 +220,10 @@ def build_app(engine: ServingEngine, settings: EndpointSettings, log=print, mana
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise BadRequest("stop must be a non-empty string or a list of them")
         temperature = _number(body, "temperature", 1.0, low=0, high=2)
-        return dict(stop=tuple(stop), temperature=temperature, top_p=_number(body, "top_p", 1.0, low=1e-9, high=1),
+        if not isinstance(body.get("ignore_eos", False), bool):
+            raise BadRequest(f"ignore_eos must be true or false, got {body['ignore_eos']!r}")
+        return dict(stop=tuple(stop), temperature=temperature, ignore_eos=body.get("ignore_eos", False),
+                    top_p=_number(body, "top_p", 1.0, low=1e-9, high=1),
                     top_k=_number(body, "top_k", 0, int, low=0), seed=_number(body, "seed", 0, int, low=0),
                     stream=bool(body.get("stream", False)),
                     include_usage=bool((body.get("stream_options") or {}).get("include_usage", False)))
@@ -372,7 +375,7 @@ def build_app(engine: ServingEngine, settings: EndpointSettings, log=print, mana
             max_tokens = budget(body, ("max_tokens",), 16)  # OpenAI's default for completions
             prompts = await prompts_of(body)
             requests = [Request(p, max_tokens, options["stop"], options["temperature"], options["top_p"],
-                                options["top_k"], options["seed"]) for p in prompts]
+                                options["top_k"], options["seed"], ignore_eos=options["ignore_eos"]) for p in prompts]
             cid = f"cmpl-{uuid.uuid4().hex}"
 
             def chunk(index, delta, usage=None):
@@ -404,7 +407,7 @@ def build_app(engine: ServingEngine, settings: EndpointSettings, log=print, mana
             chat_body = {k: body[k] for k in ("messages", "tools", "tool_choice", "parallel_tool_calls",
                                               "chat_template_kwargs", "response_format") if k in body}
             req = Request([], max_tokens, options["stop"], options["temperature"], options["top_p"], options["top_k"],
-                          options["seed"], chat=chat_body)
+                          options["seed"], chat=chat_body, ignore_eos=options["ignore_eos"])
             cid = f"chatcmpl-{uuid.uuid4().hex}"
             sent_role = [False]
 

@@ -75,7 +75,8 @@ def check_cache_compatible(prefill_meta: dict[str, str], decode_meta: dict[str, 
 class Request:
     """One generation: prompt token ids (as the HF tokenizer gives them), a token budget (first token included),
     stop strings, and sampling (temperature 0: greedy). `chat`: an OpenAI chat request's `messages` (and `tools`,
-    `tool_choice`, ...) instead of token ids: the engine renders them with the decoder's own chat template."""
+    `tool_choice`, ...) instead of token ids: the engine renders them with the decoder's own chat template.
+    `ignore_eos`: end-of-generation tokens are never picked (vLLM's and llama-server's extension)."""
 
     prompt_ids: Sequence[int]
     max_new_tokens: int
@@ -85,6 +86,7 @@ class Request:
     top_k: int = 0
     seed: int = 0
     chat: dict | None = None
+    ignore_eos: bool = False  # generate the whole budget (load generators ask for fixed output lengths)
 
 
 @dataclass

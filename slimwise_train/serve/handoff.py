@@ -69,6 +69,8 @@ class EngineHandoff:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {req.max_new_tokens}")
             if not req.prompt_ids:
                 raise ValueError(f"request {i}: empty prompt")
+            if req.ignore_eos or req.chat is not None:
+                raise ValueError(f"request {i}: ignore_eos and chat requests are served by `serve up`, not here")
             if len(req.prompt_ids) + req.max_new_tokens > self.settings.n_ctx_per_seq:
                 raise ValueError(f"request {i}: prompt {len(req.prompt_ids)} + max_new_tokens {req.max_new_tokens} "
                                  f"exceeds n_ctx_per_seq={self.settings.n_ctx_per_seq}; raise --n-ctx")

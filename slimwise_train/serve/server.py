@@ -213,9 +213,11 @@ def served_gguf(url: str, api_key: str | None = None) -> str:
 def sampling_params(req: Request) -> dict:
     """llama-server's sampling fields for `req`: greedy as top-k 1, else the in-process sampler chain's steps
     (top-k, top-p, temperature, a seeded draw) with llama-server's other default samplers (min-p 0.05) off."""
+    extra = {"ignore_eos": True} if req.ignore_eos else {}
     if req.temperature <= 0:
-        return {"temperature": 0.0, "top_k": 1}
-    return {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "min_p": 0.0}
+        return {"temperature": 0.0, "top_k": 1, **extra}
+    return {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "min_p": 0.0,
+            **extra}
 
 
 def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
