@@ -18,7 +18,8 @@ from helpers import CHILD_ENV
 @pytest.mark.subprocess
 def test_bench_serve_reports_guidellm_runs_ratios_bounds_and_targets(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "slimwise_train.bench", "serve", "--models", "teacher", "--ratios",
-                           "0.5", "--concurrency", "2", "--min-requests", "4", "--prompt", "16", "--output", "8",
+                           "0.5", "--concurrency", "2", "--min-requests", "4", "--rounds", "1", "--prompt", "16",
+                           "--output", "8",
                            "--work-dir", str(tmp_path)], env=CHILD_ENV, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -27,7 +28,7 @@ def test_bench_serve_reports_guidellm_runs_ratios_bounds_and_targets(tmp_path):
     assert set(teacher["runs"]) == {"full", "pruned_0.5", "slimwise_0.5"}
     for runs in teacher["runs"].values():
         row = runs["2"]
-        assert row["requests"] == 4 and row["errored"] == 0 and row["output_tokens_per_request"] == 8
+        assert row["requests"] == 8 and row["errored"] == 0 and row["output_tokens_per_request"] == 8
         assert row["output_tok_s"] > 0 and row["per_user_tok_s"]["p50"] >= row["per_user_tok_s"]["p90"] > 0
         assert row["ttft_ms"]["p90"] >= row["ttft_ms"]["p50"] > 0
     for variant in ("pruned_0.5", "slimwise_0.5"):

@@ -142,8 +142,10 @@ def main(argv=None) -> int:
     serve.add_argument("--ratios", default="0.5,0.75", help="shares of experts removed (pruned and SlimWise variants)")
     serve.add_argument("--prompt", type=int, default=64, help="prompt tokens per request (GuideLLM synthetic text)")
     serve.add_argument("--output", type=int, default=64, help="output tokens per request (ignore_eos)")
-    serve.add_argument("--min-requests", type=int, default=8, help="requests per level at least (2 x concurrency "
+    serve.add_argument("--min-requests", type=int, default=16, help="requests per run at least (4 x concurrency "
                        "when that is more)")
+    serve.add_argument("--rounds", type=int, default=2, help="rounds over every level and variant (medians, paired "
+                       "ratios)")
     serve.add_argument("--target-fraction", type=float, default=0.5, help="per-user speed target as a fraction of "
                        "the full model's p50 single-request speed measured in the run")
     serve.add_argument("--target-tok-s", type=float, default=None, help="per-user speed target in tokens/s instead "

@@ -10,9 +10,11 @@ Every variant runs as two llama-servers (a prefill one and a decode one, the han
 same processes and threads and differ only in which model does which phase, as under prefill/decode disaggregation
 where the paper measures.
 Models: the shipped teacher and `bench engine`'s larger shape (Qwen3-MoE L2 H1024 E128 top-8 I768, f16). All five
-endpoints of a model run at once (idle ones cost nothing); each concurrency level then measures every variant in
-turn, in an order that rotates from level to level, with the machine's bandwidth and matmul rate measured just
-before the level's runs (beside them, not once at the start): a slow spell of a shared machine hits all variants.
+endpoints of a model run at once (idle ones cost nothing); each round measures every concurrency level, and each
+level every variant in turn, in an order that rotates from level to level, with the machine's bandwidth and matmul
+rate measured just before the level's runs (beside them, not once at the start): a slow spell of a shared machine
+hits all variants. A level's numbers are medians over the rounds; its ratios are medians of the ratios paired
+within a round; its bound is the most generous one of the rates measured beside it.
 
 Per run (GuideLLM's own numbers): aggregate output tokens/s (every output token but a request's first comes from
 the decode phase), per-user decode speed (1000 / inter-token latency in ms: p50, and p90 = the speed 90% of
@@ -30,6 +32,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -166,71 +169,98 @@ def _variant_files(files: dict[str, Path], ratios) -> dict[str, tuple[Path, Path
     return out
 
 
+def _median_row(rows: list[dict]) -> dict:
+    """One row from the rounds' rows of a variant at a level: medians of the rates, sums of the counts."""
+    med = statistics.median
+    return {"requests": sum(r["requests"] for r in rows), "errored": sum(r["errored"] for r in rows),
+            "output_tok_s": round(med(r["output_tok_s"] for r in rows), 1),
+            "per_user_tok_s": {q: round(med(r["per_user_tok_s"][q] for r in rows), 1) for q in ("p50", "p90")},
+            "ttft_ms": {q: round(med(r["ttft_ms"][q] for r in rows), 1) for q in ("p50", "p90")},
+            "output_tokens_per_request": med(r["output_tokens_per_request"] for r in rows),
+            "output_tok_s_rounds": [r["output_tok_s"] for r in rows]}
+
+
 def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios, root, log) -> dict:
     files = _variants(name, model, tokenizer, ratios, args.outtype, root, log)
     endpoints: dict[str, _Endpoint] = {}
-    rows: dict[str, dict[int, dict]] = {}
-    rates_at: dict[int, object] = {}
+    rounds: dict[str, dict[int, list[dict]]] = {}
+    rates_at: dict[int, list] = {c: [] for c in concurrencies}
     try:
         for variant, (prefill, decode) in _variant_files(files, ratios).items():
             endpoints[variant] = _Endpoint(f"{name}_{variant}", prefill, decode, max(concurrencies), threads, root)
-            rows[variant] = {}
+            rounds[variant] = {c: [] for c in concurrencies}
         order = list(endpoints)
-        for level, c in enumerate(concurrencies):
-            rates_at[c] = measure_rates(threads)
-            log(f"bench serve: {name}, concurrency {c}: copy {rates_at[c].bandwidth_gbs:.1f} GB/s, matmul "
-                f"{rates_at[c].matmul_gflops:.1f} GFLOP/s")
-            shift = level % len(order)
-            for variant in order[shift:] + order[:shift]:
-                rows[variant][c] = run_guidellm(endpoints[variant], c, max(args.min_requests, 2 * c), args.prompt,
-                                                args.output, root, log)
+        step = 0
+        for round_index in range(args.rounds):
+            for c in concurrencies:
+                rates = measure_rates(threads)
+                rates_at[c].append(rates)
+                log(f"bench serve: {name}, round {round_index + 1}, concurrency {c}: copy {rates.bandwidth_gbs:.1f} "
+                    f"GB/s, matmul {rates.matmul_gflops:.1f} GFLOP/s")
+                shift = step % len(order)
+                step += 1
+                for variant in order[shift:] + order[:shift]:
+                    rounds[variant][c].append(run_guidellm(endpoints[variant], c, max(args.min_requests, 4 * c),
+                                                           args.prompt, args.output, root, log))
         handoff = {v: endpoints[v].handoff() for v in endpoints}
     finally:
         for endpoint in endpoints.values():
             endpoint.stop()
         for file in files.values():
             file.unlink(missing_ok=True)
+    rows = {v: {c: _median_row(rs) for c, rs in by_c.items()} for v, by_c in rounds.items()}
 
     target = args.target_tok_s or round(args.target_fraction * rows["full"][concurrencies[0]]["per_user_tok_s"]["p50"],
                                         1)
     kv_bytes = {"f16": 2, "f32": 4}["f16"]
     context = args.prompt + args.output / 2
+
+    def bound_at(r: float, c: int) -> float:
+        # the most generous of the bounds from the rates measured beside this level's rounds
+        return max(roofline_bound(model, GGUF_BYTES[args.outtype], kv_bytes, r, c, context, rates)
+                   for rates in rates_at[c])
+
     best = {}
     for variant, by_c in rows.items():
         meeting = [c for c, row in by_c.items() if row["per_user_tok_s"]["p90"] >= target and not row["errored"]]
         c_best = max(meeting, key=lambda c: by_c[c]["output_tok_s"]) if meeting else None
         best[variant] = {"concurrency": c_best, "output_tok_s": by_c[c_best]["output_tok_s"] if c_best else None}
-    ratios, flags = {}, []
+    ratios_out, flags = {}, []
     for variant in rows:
         if variant == "full":
             continue
         r = float(variant.split("_")[1])
         per_c = {}
         for c in concurrencies:
-            bound = roofline_bound(model, GGUF_BYTES[args.outtype], kv_bytes, r, c, context, rates_at[c])
-            ratio = rows[variant][c]["output_tok_s"] / rows["full"][c]["output_tok_s"]
-            per_c[c] = {"ratio": round(ratio, 3), "bound": round(bound, 3), "efficiency": round(ratio / bound, 3)}
+            bound = bound_at(r, c)
+            # paired within a round: both ran back to back, a slow spell of the machine scales both
+            ratio = statistics.median(a["output_tok_s"] / b["output_tok_s"]
+                                      for a, b in zip(rounds[variant][c], rounds["full"][c]))
+            per_user = statistics.median(a["per_user_tok_s"]["p50"] / b["per_user_tok_s"]["p50"]
+                                         for a, b in zip(rounds[variant][c], rounds["full"][c]))
+            per_c[c] = {"ratio": round(ratio, 3), "per_user_ratio": round(per_user, 3), "bound": round(bound, 3),
+                        "efficiency": round(ratio / bound, 3)}
             if ratio / bound > 1:
                 flags.append(f"{name} {variant} at {c}: ratio {ratio:.3f} above its bound {bound:.3f}")
         entry = {"at_concurrency": per_c}
         if best[variant]["output_tok_s"] and best["full"]["output_tok_s"]:
             c_best = best[variant]["concurrency"]
-            bound = roofline_bound(model, GGUF_BYTES[args.outtype], kv_bytes, r, c_best, context, rates_at[c_best])
+            bound = bound_at(r, c_best)
             ratio = best[variant]["output_tok_s"] / best["full"]["output_tok_s"]
             entry["best_under_target"] = {"ratio": round(ratio, 3), "bound": round(bound, 3),
                                           "efficiency": round(ratio / bound, 3)}
             if ratio / bound > 1:
                 flags.append(f"{name} {variant} best under target: ratio {ratio:.3f} above its bound {bound:.3f}")
-        ratios[variant] = entry
+        ratios_out[variant] = entry
     return {"model": f"qwen3_moe L{model.config.num_hidden_layers} H{model.config.hidden_size} "
                      f"E{model.config.num_experts} top{model.config.num_experts_per_tok} ({args.outtype})",
             "target_per_user_tok_s": target,
             "target_rule": (f"--target-tok-s {args.target_tok_s}" if args.target_tok_s else
                             f"{args.target_fraction} x the full model's p50 per-user speed at concurrency "
                             f"{concurrencies[0]}"),
-            "machine": {c: rates.as_dict() for c, rates in rates_at.items()},
+            "machine": {c: [rates.as_dict() for rates in rs] for c, rs in rates_at.items()},
             "runs": {v: {str(c): row for c, row in by_c.items()} for v, by_c in rows.items()},
-            "best_under_target": best, "ratios_vs_full": ratios, "handoff": handoff, "flags": flags}
+            "best_under_target": best, "ratios_vs_full": ratios_out, "handoff": handoff, "flags": flags}
 
 
 def run_serve_bench(args) -> dict:
@@ -254,8 +284,9 @@ def _run(args) -> dict:
     if not ratios or not all(0 < r < 1 for r in ratios):
         raise ValueError(f"--ratios {args.ratios!r}: shares of experts removed, each in (0, 1)")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if not concurrencies or concurrencies[0] < 1 or args.prompt < 1 or args.output < 2 or args.min_requests < 1:
-        raise ValueError("--concurrency, --prompt, --min-requests must be >= 1 and --output >= 2")
+    if (not concurrencies or concurrencies[0] < 1 or args.prompt < 1 or args.output < 2 or args.min_requests < 1
+            or args.rounds < 1):
+        raise ValueError("--concurrency, --prompt, --min-requests and --rounds must be >= 1 and --output >= 2")
     if not set(models) <= {"teacher", "bench"} or not models:
         raise ValueError(f"--models {args.models!r}: use teacher and/or bench")
     if not 0 < args.target_fraction <= 1:
@@ -286,5 +317,6 @@ def _run(args) -> dict:
     return {"bench": "serve", "load_generator": "guidellm 0.8.1 (concurrent profile, synthetic text, ignore_eos)",
             "engine": f"llama.cpp ({llama_cpp_home().name})", "threads_per_llama_server": threads,
             "gpu": os.environ.get("SLIMWISE_LLAMA_CPP_GPU") == "1", "prompt_tokens": args.prompt,
-            "output_tokens": args.output, "concurrency": concurrencies, "headline_best_under_target": headline,
+            "output_tokens": args.output, "concurrency": concurrencies, "rounds": args.rounds,
+            "headline_best_under_target": headline,
             "results": results, "flags": flags, "targets": targets, "targets_met": targets_met}

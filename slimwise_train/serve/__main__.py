@@ -129,11 +129,16 @@ def _server_key(args) -> tuple[str, str]:
 
 
 def _client_key(args) -> str:
+    """--api-key, or the key file; a client started beside its servers waits (--wait) for them to write it."""
     from slimwise_train.serve.server import default_key_file, read_api_key
 
     if args.api_key:
         return args.api_key
-    return read_api_key(Path(args.api_key_file) if args.api_key_file else default_key_file())
+    path = Path(args.api_key_file) if args.api_key_file else default_key_file()
+    deadline = time.monotonic() + args.wait
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return read_api_key(path)
 
 
 def _check_port(host: str, port: int) -> None:
