@@ -530,3 +530,13 @@ def test_serving_docs_endpoint_blocks_run_as_written(served, tmp_path):
         os.killpg(server.pid, signal.SIGTERM)  # `serve up` went on in the background of the first block
         output = server.communicate(timeout=60)[0]
     assert "serve: stopped" in output and "Traceback" not in output, output[-2000:]
+
+
+def test_llama_cpp_is_one_implementation_of_the_engine_protocol(served):
+    """The endpoint sees only `ServingEngine`; llama.cpp's engine is one implementation (built here, not started)."""
+    from slimwise_train.serve.disaggregated import LlamaCppEngine
+    from slimwise_train.serve.engine import ServingEngine
+
+    engine = LlamaCppEngine(served["root"] / "teacher.gguf", served["root"] / "pruned.gguf", parallel=2)
+    assert isinstance(engine, ServingEngine)
+    assert engine.model_name == "pruned" and engine.slots == 2 and engine.health() == {}
