@@ -83,3 +83,40 @@ def tiny_checkpoint(tmp_path_factory):
         return saved[model_type]
 
     return folder
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """The shipped teacher and its 50% REAP pruned checkpoint (scored on 24 suite prompts, keep set in
+    root/keep_set.json), both as GGUF (f32): root, tokenizer, teacher, pruned (HF models), problems (10 per family).
+    Shared by the llama.cpp tests (tests/test_serve_llamacpp.py, tests/test_serve_endpoint.py)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimwise_train.data import synthetic
+    from slimwise_train.eval.generation import build_problems, left_pad
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.moe.keepset import KeepSet
+    from slimwise_train.moe.pruning import export_pruned
+    from slimwise_train.prune.criteria import reap, select_keep
+    from slimwise_train.prune.statistics import collect_statistics
+    from slimwise_train.serve import gguf
+
+    teacher_dir = Path(synthetic.__file__).resolve().parents[2] / "assets" / "teacher"
+    root = tmp_path_factory.mktemp("serve")
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    problems = build_problems(tokenizer, synthetic.FAMILIES, 10)
+    calibration = build_problems(tokenizer, synthetic.FAMILIES, 8, seed=123)
+    input_ids, mask = left_pad([p.prompt_ids for p in calibration], tokenizer.pad_token_id)
+    with torch.no_grad():
+        stats = collect_statistics(teacher, [{"input_ids": input_ids, "attention_mask": mask}], progress=False)
+    kept = select_keep(reap(stats), 0.5, teacher.config.num_experts_per_tok)
+    keep_set = KeepSet.from_kept(get_adapter(teacher).moe_layers(teacher), kept, model_type="qwen3_moe")
+    keep_set.save(root / "keep_set.json")
+    export_pruned(teacher, keep_set, root / "pruned", tokenizer=tokenizer)
+    gguf.convert(teacher_dir, root / "teacher.gguf", log=lambda *_: None)
+    gguf.convert(root / "pruned", root / "pruned.gguf", log=lambda *_: None)
+    pruned = AutoModelForCausalLM.from_pretrained(root / "pruned").eval()
+    return dict(root=root, tokenizer=tokenizer, teacher=teacher, pruned=pruned, problems=problems)

@@ -21,16 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from slimwise_train.data import synthetic
-from slimwise_train.eval.generation import build_problems, left_pad
+from slimwise_train.eval.generation import left_pad
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.handoff import continue_on_cache, handoff_generate, prefill
 from slimwise_train.moe.keepset import KeepSet
 from slimwise_train.moe.pruning import export_pruned
-from slimwise_train.prune.criteria import reap, select_keep
-from slimwise_train.prune.statistics import collect_statistics
 from slimwise_train.serve import gguf
 from slimwise_train.serve.handoff import CacheMismatch, EngineHandoff, Request, check_cache_compatible
 from slimwise_train.serve.llamacpp import GGUFModel
@@ -49,24 +47,8 @@ def _quiet(*_):
     pass
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The shipped teacher and its 50% REAP pruned checkpoint (scored on 24 suite prompts), both as GGUF (f32)."""
-    root = tmp_path_factory.mktemp("serve")
-    tokenizer = AutoTokenizer.from_pretrained(TEACHER)
-    teacher = AutoModelForCausalLM.from_pretrained(TEACHER).eval()
-    problems = build_problems(tokenizer, synthetic.FAMILIES, 10)
-    calibration = build_problems(tokenizer, synthetic.FAMILIES, 8, seed=123)
-    input_ids, mask = left_pad([p.prompt_ids for p in calibration], tokenizer.pad_token_id)
-    with torch.no_grad():
-        stats = collect_statistics(teacher, [{"input_ids": input_ids, "attention_mask": mask}], progress=False)
-    kept = select_keep(reap(stats), 0.5, teacher.config.num_experts_per_tok)
-    keep_set = KeepSet.from_kept(get_adapter(teacher).moe_layers(teacher), kept, model_type="qwen3_moe")
-    export_pruned(teacher, keep_set, root / "pruned", tokenizer=tokenizer)
-    gguf.convert(TEACHER, root / "teacher.gguf", log=_quiet)
-    gguf.convert(root / "pruned", root / "pruned.gguf", log=_quiet)
-    pruned = AutoModelForCausalLM.from_pretrained(root / "pruned").eval()
-    return dict(root=root, tokenizer=tokenizer, teacher=teacher, pruned=pruned, problems=problems)
+# `served` (the shipped teacher and its 50% REAP pruned checkpoint as GGUF files) is a session fixture in
+# tests/conftest.py: tests/test_serve_endpoint.py serves the same two files.
 
 
 def _reference(prefill_model, decode_model, prompts, budget=BUDGET):
@@ -430,7 +412,8 @@ def test_readme_serve_block_runs_as_written(tmp_path):
     section = readme[readme.index("## Serve with llama.cpp"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     (tmp_path / "slimwise_train").symlink_to(repo / "slimwise_train")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
+           "XDG_CONFIG_HOME": str(tmp_path / "config")}  # the servers' API key file (written by the first server)
     proc = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

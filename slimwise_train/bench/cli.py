@@ -16,6 +16,7 @@ from slimwise_train.bench.memory import run_memory
 from slimwise_train.bench.phase import run_phase
 from slimwise_train.bench.prune import VARIANTS as PRUNE_VARIANTS
 from slimwise_train.bench.prune import run_prune_bench
+from slimwise_train.bench.serve import run_serve_bench
 from slimwise_train.bench.train import run_train
 
 USAGE = """`python -m slimwise_train.bench <name>`: side-by-side benchmarks that print one JSON line each.
@@ -32,13 +33,15 @@ noisy shared machine; absolute times are printed too and become meaningful on a 
     python -m slimwise_train.bench prune      # peak RSS of pruning a saved checkpoint: whole vs layerwise, exports
     python -m slimwise_train.bench lm_eval    # lm-eval's slimwise model vs the eval app: same cells, wall-time ratio
     python -m slimwise_train.bench engine     # llama.cpp decode/prefill: full vs pruned, beside this machine's roofline
+    python -m slimwise_train.bench serve      # `serve up` endpoints under GuideLLM load: throughput at a per-user target
 
 `memory` launches torchrun itself (2 ranks) and prints one JSON line per engine, then its targets; `prune` one fresh
 process per variant, one JSON line each, then its targets.
 """
 
 BENCHES = {"calib": run_calib, "phase": run_phase, "loss": run_loss, "decode": run_decode, "train": run_train,
-           "memory": run_memory, "lm_eval": run_lm_eval_bench, "engine": run_engine, "prune": run_prune_bench}
+           "memory": run_memory, "lm_eval": run_lm_eval_bench, "engine": run_engine, "prune": run_prune_bench,
+           "serve": run_serve_bench}
 
 
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
@@ -149,6 +152,27 @@ def main(argv=None) -> int:
     engine.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16"])
     engine.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
     engine.add_argument("--work-dir", default=None, help="where the GGUF files go for the run (default: the temp dir)")
+    serve = sub.add_parser("serve", help="`serve up` endpoints under GuideLLM load: full, pruned and SlimWise at 50/75%%, "
+                           "throughput at a per-user speed target beside the roofline bound")
+    serve.add_argument("--models", default="teacher,bench",
+                       help="teacher (the shipped one) and/or bench (bench engine's shape: L2 H1024 E128 top-8 I768)")
+    serve.add_argument("--concurrency", default="1,4,16", help="concurrent streams GuideLLM keeps open, per level")
+    serve.add_argument("--ratios", default="0.5,0.75", help="shares of experts removed (pruned and SlimWise variants)")
+    serve.add_argument("--prompt", type=int, default=64, help="prompt tokens per request (GuideLLM synthetic text)")
+    serve.add_argument("--output", type=int, default=64, help="output tokens per request (ignore_eos)")
+    serve.add_argument("--min-requests", type=int, default=16, help="requests per run at least (4 x concurrency "
+                       "when that is more)")
+    serve.add_argument("--rounds", type=int, default=2, help="rounds over every level and variant (medians, paired "
+                       "ratios)")
+    serve.add_argument("--target-fraction", type=float, default=0.5, help="per-user speed target as a fraction of "
+                       "the full model's p50 single-request speed measured in the run")
+    serve.add_argument("--target-tok-s", type=float, default=None, help="per-user speed target in tokens/s instead "
+                       "(the paper's 50 on a GPU)")
+    serve.add_argument("--threads", type=int, default=None, help="threads of each llama-server; default: half the "
+                       "CPUs this process may use (a prefill and a decode server share them)")
+    serve.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16"], help="GGUF weight type")
+    serve.add_argument("--work-dir", default=None, help="where the GGUF files and GuideLLM's reports go for the run "
+                       "(default: the temp dir; removed at the end)")
     _show_defaults(parser)
     args = parser.parse_args(argv)
     result = BENCHES[args.name](args)

@@ -16,92 +16,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
+from slimwise_train.serve.engine import (CacheMismatch, Completion, HandoffStats, Request,  # noqa: F401 (re-exported)
+                                         check_cache_compatible)
 from slimwise_train.serve.llamacpp import Context, ContextSettings, GGUFModel, Sampler
-
-FINGERPRINT = "slimwise.cache_fingerprint"
-END_REASONS = ("eos", "stop", "budget")
-
-
-class CacheMismatch(ValueError):
-    """The decode model cannot read the prefill model's cache (one line naming the field)."""
-
-
-def _cache_keys(meta: dict[str, str]) -> dict[str, str]:
-    arch = meta.get("general.architecture", "?")
-    keys = {"general.architecture": arch}
-    for key, value in meta.items():
-        rest = key[len(arch) + 1:] if key.startswith(arch + ".") else None
-        if rest is None:
-            continue
-        if (rest in ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
-                     "attention.key_length", "attention.value_length", "attention.sliding_window",
-                     "attention.layer_norm_rms_epsilon")
-                or rest.startswith("rope.") or rest.startswith("attention.sliding_window")):
-            keys[key] = value
-    return keys
-
-
-def check_cache_compatible(prefill_meta: dict[str, str], decode_meta: dict[str, str], prefill_name: str = "prefill",
-                           decode_name: str = "decode") -> None:
-    """Raise CacheMismatch (one line) unless `decode` can continue on a cache `prefill` wrote."""
-    for name, meta in ((prefill_name, prefill_meta), (decode_name, decode_meta)):
-        if FINGERPRINT not in meta:
-            raise CacheMismatch(f"{name} has no {FINGERPRINT}: convert it with `python -m slimwise_train.serve gguf` "
-                                "(a plain convert_hf_to_gguf.py file cannot be checked)")
-    a, b = _cache_keys(prefill_meta), _cache_keys(decode_meta)
-    for key in sorted(set(a) | set(b)):
-        if a.get(key) != b.get(key):
-            raise CacheMismatch(f"{decode_name} cannot decode on {prefill_name}'s cache: {key} is {b.get(key)} there, "
-                                f"{a.get(key)} here")
-    if prefill_meta[FINGERPRINT] != decode_meta[FINGERPRINT]:
-        raise CacheMismatch(f"{decode_name} cannot decode on {prefill_name}'s cache: its attention weights differ "
-                            f"({FINGERPRINT} {decode_meta[FINGERPRINT][:12]}... vs {prefill_meta[FINGERPRINT][:12]}...); "
-                            "pair a teacher with its own pruned or distilled checkpoint")
-
-
-@dataclass
-class Request:
-    """One generation: prompt token ids (as the HF tokenizer gives them), a token budget (first token included),
-    stop strings, and sampling (temperature 0: greedy)."""
-
-    prompt_ids: Sequence[int]
-    max_new_tokens: int
-    stop: Sequence[str] = ()
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-
-
-@dataclass
-class Completion:
-    """tokens made (EOS included when it ended there); `length` = len(tokens); `end` eos | stop | budget, as the
-    eval app counts lengths; `first_token` came from the prefill model."""
-
-    tokens: list[int]
-    text: str
-    end: str
-    first_token: int
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-
-@dataclass
-class HandoffStats:
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    state_bytes: int = 0
-    transfer_s: float = 0.0
-    waves: int = 0
 
 
 class EngineHandoff:
@@ -148,6 +69,8 @@ class EngineHandoff:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {req.max_new_tokens}")
             if not req.prompt_ids:
                 raise ValueError(f"request {i}: empty prompt")
+            if req.ignore_eos or req.chat is not None:
+                raise ValueError(f"request {i}: ignore_eos and chat requests are served by `serve up`, not here")
             if len(req.prompt_ids) + req.max_new_tokens > self.settings.n_ctx_per_seq:
                 raise ValueError(f"request {i}: prompt {len(req.prompt_ids)} + max_new_tokens {req.max_new_tokens} "
                                  f"exceeds n_ctx_per_seq={self.settings.n_ctx_per_seq}; raise --n-ctx")

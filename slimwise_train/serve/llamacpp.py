@@ -221,12 +221,25 @@ class Context(_Owned):
 
     def decode(self, items: list[tuple[int, list[int], int]]) -> None:
         """Evaluate tokens for several sequences: each item is (seq_id, tokens, first position); the logits of each
-        item's last token are kept (`logits(seq_id)`). Items longer than a batch are split across calls."""
-        L, cap, batch = self._L, self.settings.n_batch, self._batch
+        item's last token are kept (`logits(seq_id)`). Logits live only until the next llama_decode call, so all
+        tokens but each item's last go first (packed into as many batches as they need), then the last token of
+        every item together in one final batch, whose logits rows are the ones kept."""
+        if len(items) > self.settings.n_batch:
+            raise ValueError(f"{len(items)} sequences in one decode call: at most n_batch={self.settings.n_batch}")
+        heads = [(seq, list(tokens[:-1]), pos) for seq, tokens, pos in items if len(tokens) > 1]
+        tails = [(seq, [tokens[-1]], pos + len(tokens) - 1) for seq, tokens, pos in items if tokens]
         self._logit_rows = {}
+        self._run(heads, keep_logits=False)
+        self._logit_rows = self._run(tails, keep_logits=True)
+
+    def _run(self, items: list[tuple[int, list[int], int]], keep_logits: bool) -> dict[int, int]:
+        """llama_decode over `items` in batches of at most n_batch tokens (an item longer than the room left is
+        split); with `keep_logits`, the batch row of each item's last token (the items then fit one batch)."""
+        L, cap, batch = self._L, self.settings.n_batch, self._batch
         pending = [(seq, list(tokens), pos) for seq, tokens, pos in items if tokens]
+        rows: dict[int, int] = {}
         while pending:
-            n, rows, rest = 0, {}, []
+            n, rest = 0, []
             for seq, tokens, pos in pending:
                 room = cap - n
                 if room <= 0:
@@ -238,7 +251,7 @@ class Context(_Owned):
                     batch.pos[n] = pos + j
                     batch.n_seq_id[n] = 1
                     batch.seq_id[n][0] = seq
-                    batch.logits[n] = 1 if (not left and j == len(take) - 1) else 0
+                    batch.logits[n] = 1 if (keep_logits and not left and j == len(take) - 1) else 0
                     if batch.logits[n]:
                         rows[seq] = n
                     n += 1
@@ -249,8 +262,8 @@ class Context(_Owned):
             if code != 0:
                 raise RuntimeError(f"llama_decode failed with code {code} (context full? n_ctx_per_seq="
                                    f"{self.settings.n_ctx_per_seq}, n_seq={self.settings.n_seq})")
-            self._logit_rows.update(rows)
             pending = rest
+        return rows
 
     def logits(self, seq: int) -> np.ndarray:
         """float32 [V]: the logits after the last token `decode` evaluated for `seq` (a copy)."""

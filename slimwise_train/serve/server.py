@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -29,25 +31,88 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from slimwise_train.serve.handoff import CacheMismatch, Completion, Request, check_cache_compatible
+from slimwise_train.serve.engine import CacheMismatch, Completion, Request, check_cache_compatible
 
 
 class ServerError(RuntimeError):
     pass
 
 
-def _call(url: str, body: dict | None = None, timeout: float = 600.0) -> dict:
+def _call(url: str, body: dict | None = None, timeout: float = 600.0, api_key: str | None = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
-                                 method="GET" if body is None else "POST")
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read().decode() or "{}")
     except urllib.error.HTTPError as error:
         detail = error.read().decode(errors="replace")[:300]
-        raise ServerError(f"{url}: HTTP {error.code}: {detail}") from None
+        hint = " (pass the servers' key: --api-key-file)" if error.code == 401 else ""
+        raise ServerError(f"{url}: HTTP {error.code}: {detail}{hint}") from None
     except urllib.error.URLError as error:
         raise ServerError(f"{url}: {error.reason}") from None
+
+
+# ------------------------------------------------------------------------------------------------ API keys
+def default_key_file() -> Path:
+    """Where `serve server`, `serve client` and `serve up` keep the API key they share unless told otherwise."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "slimwise_train" / "api-key"
+
+
+def new_api_key() -> str:
+    return "sk-slimwise-" + secrets.token_urlsafe(24)
+
+
+def masked(key: str) -> str:
+    """The key as logs show it: never whole."""
+    return f"{key[:12]}...{key[-4:]}" if len(key) > 20 else "****"
+
+
+def read_api_key(path: str | os.PathLike) -> str:
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"--api-key-file {file}: no such file (a `serve server` or `serve up` writes it when it "
+                                "starts without --api-key)")
+    key = next((line.strip() for line in file.read_text().splitlines() if line.strip() and not line.startswith("#")), "")
+    if not key:
+        raise ValueError(f"--api-key-file {file}: holds no key")
+    return key
+
+
+def api_key_for_server(path: str | os.PathLike) -> tuple[str, bool]:
+    """The key in `path`, or a new one written there (mode 0600: it is a secret, whatever the umask) when the file
+    does not exist yet; (key, whether it was made now). Two servers started at once agree on one key: the file is
+    published with a hard link, which fails when the other was first."""
+    file = Path(path)
+    if file.exists():
+        return read_api_key(file), False
+    file.parent.mkdir(parents=True, exist_ok=True)
+    key = new_api_key()
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", dir=file.parent)  # 0600
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(key + "\n")
+        try:
+            os.link(tmp, file)
+        except FileExistsError:
+            return read_api_key(file), False
+    finally:
+        os.unlink(tmp)
+    return key, True
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:  # not Linux: the parent's own shutdown still stops it
+        pass
 
 
 def free_port() -> int:
@@ -58,21 +123,41 @@ def free_port() -> int:
 
 @dataclass
 class ServerSpec:
+    """One llama-server: `parallel` slots of `n_ctx` tokens each, KV in `kv_type`, slot files in `slot_dir`, the API
+    key `api_key` (handed over in its environment, not on the command line that `ps` shows), CORS for localhost
+    origins only and never with credentials. `chat_template_file` overrides the GGUF's chat template (`--jinja`)."""
+
     gguf: Path
     port: int
     slot_dir: Path
     n_ctx: int = 2048
     threads: int = 1
     kv_type: str = "f16"
+    parallel: int = 1
+    api_key: str | None = None
+    chat_template_file: Path | None = None
+    host: str = "127.0.0.1"
 
     def command(self) -> list[str]:
         from slimwise_train.serve.llamacpp import server_binary
 
-        # --slot-save-path is joined to the file name as a string: it needs its trailing slash.
-        return [str(server_binary()), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                "--slot-save-path", str(self.slot_dir) + os.sep, "-np", "1", "-c", str(self.n_ctx),
-                "-t", str(self.threads), "-tb", str(self.threads), "--cache-type-k", self.kv_type,
-                "--cache-type-v", self.kv_type, "--no-warmup", "--cache-ram", "0"]
+        # --slot-save-path is joined to the file name as a string: it needs its trailing slash. -c is the context
+        # of all slots together: without a unified KV buffer each slot gets n_ctx of its own.
+        command = [str(server_binary()), "-m", str(self.gguf), "--host", self.host, "--port", str(self.port),
+                   "--slot-save-path", str(self.slot_dir) + os.sep, "-np", str(self.parallel),
+                   "-c", str(self.n_ctx * self.parallel), "--no-kv-unified", "-t", str(self.threads),
+                   "-tb", str(self.threads), "--cache-type-k", self.kv_type, "--cache-type-v", self.kv_type,
+                   "--no-warmup", "--cache-ram", "0", "--jinja", "--no-webui", "--cors-origins", "localhost",
+                   "--no-cors-credentials"]
+        if self.chat_template_file is not None:
+            command += ["--chat-template-file", str(self.chat_template_file)]
+        return command
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "LLAMA_API_KEY"}
+        if self.api_key:
+            env["LLAMA_API_KEY"] = self.api_key
+        return env
 
 
 class LlamaServer:
@@ -82,7 +167,10 @@ class LlamaServer:
         self.spec = spec
         self.url = f"http://127.0.0.1:{spec.port}"
         self._log = open(log_file, "w")
-        self.proc = subprocess.Popen(spec.command(), stdout=self._log, stderr=subprocess.STDOUT)
+        # its own session: a Ctrl-C in the terminal reaches only the process that started it, which stops it in
+        # order; and it dies with that process if that one is killed outright (no orphaned server holding a port)
+        self.proc = subprocess.Popen(spec.command(), stdout=self._log, stderr=subprocess.STDOUT, env=spec.env(),
+                                     start_new_session=True, preexec_fn=_die_with_parent)
         try:
             wait_healthy(self.url, startup_timeout, process=self.proc)
         except ServerError:
@@ -113,13 +201,23 @@ class LlamaServer:
         self.stop()
 
 
-def served_gguf(url: str) -> str:
+def served_gguf(url: str, api_key: str | None = None) -> str:
     """The GGUF file a llama-server serves (`/props` model_path), if this process can read it."""
-    path = _call(url + "/props").get("model_path")
+    path = _call(url + "/props", api_key=api_key).get("model_path")
     if not path or not Path(path).is_file():
         raise CacheMismatch(f"{url}/props names model_path {path!r}, which this client cannot read: run the client "
                             "where both GGUF files are visible (or pass the files with --prefill-gguf/--decode-gguf)")
     return path
+
+
+def sampling_params(req: Request) -> dict:
+    """llama-server's sampling fields for `req`: greedy as top-k 1, else the in-process sampler chain's steps
+    (top-k, top-p, temperature, a seeded draw) with llama-server's other default samplers (min-p 0.05) off."""
+    extra = {"ignore_eos": True} if req.ignore_eos else {}
+    if req.temperature <= 0:
+        return {"temperature": 0.0, "top_k": 1, **extra}
+    return {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed, "min_p": 0.0,
+            **extra}
 
 
 def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = None) -> None:
@@ -144,15 +242,17 @@ class DisaggregatedClient:
     time per slot."""
 
     def __init__(self, prefill_url: str, decode_url: str, slot_dir: str | os.PathLike,
-                 prefill_gguf: str | None = None, decode_gguf: str | None = None, wait_s: float = 0.0):
+                 prefill_gguf: str | None = None, decode_gguf: str | None = None, wait_s: float = 0.0,
+                 api_key: str | None = None):
         self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+        self.api_key = api_key
         for url in (self.prefill_url, self.decode_url):
             wait_healthy(url, wait_s)
         self.slot_dir = Path(slot_dir)
         from slimwise_train.serve.llamacpp import GGUFModel
 
-        self.prefill_gguf = prefill_gguf or served_gguf(self.prefill_url)
-        self.decode_gguf = decode_gguf or served_gguf(self.decode_url)
+        self.prefill_gguf = prefill_gguf or served_gguf(self.prefill_url, api_key)
+        self.decode_gguf = decode_gguf or served_gguf(self.decode_url, api_key)
         metas = []
         for path in (self.prefill_gguf, self.decode_gguf):
             with GGUFModel(path, vocab_only=True) as model:
@@ -160,23 +260,18 @@ class DisaggregatedClient:
         check_cache_compatible(metas[0], metas[1], self.prefill_url, self.decode_url)
         self.prompt_tokens_evaluated_on_decode: list[int] = []
 
-    def _sampling(self, req: Request) -> dict:
-        if req.temperature <= 0:
-            return {"temperature": 0.0, "top_k": 1}
-        return {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
-
     def generate_one(self, req: Request) -> Completion:
         prompt = [int(t) for t in req.prompt_ids]
         first = _call(self.prefill_url + "/completion", {
             "prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "return_tokens": True,
-            **self._sampling(req)})
+            **sampling_params(req)}, api_key=self.api_key)
         if not first.get("tokens"):
             raise ServerError(f"{self.prefill_url}/completion returned no token: {str(first)[:200]}")
         token = int(first["tokens"][0])
         name = f"slimwise-{uuid.uuid4().hex}.bin"
         try:
-            _call(self.prefill_url + "/slots/0?action=save", {"filename": name})
-            _call(self.decode_url + "/slots/0?action=restore", {"filename": name})
+            _call(self.prefill_url + "/slots/0?action=save", {"filename": name}, api_key=self.api_key)
+            _call(self.decode_url + "/slots/0?action=restore", {"filename": name}, api_key=self.api_key)
         finally:
             (self.slot_dir / name).unlink(missing_ok=True)
         tokens = [token]
@@ -185,7 +280,7 @@ class DisaggregatedClient:
             return Completion(tokens=tokens, text=first.get("content", ""), end=end, first_token=token)
         rest = _call(self.decode_url + "/completion", {
             "prompt": prompt + [token], "n_predict": req.max_new_tokens - 1, "id_slot": 0, "cache_prompt": True,
-            "return_tokens": True, "stop": list(req.stop), **self._sampling(req)})
+            "return_tokens": True, "stop": list(req.stop), **sampling_params(req)}, api_key=self.api_key)
         evaluated = int(rest.get("timings", {}).get("prompt_n", -1))
         self.prompt_tokens_evaluated_on_decode.append(evaluated)
         if evaluated != 1:

@@ -1,0 +1,45 @@
+"""`python -m slimwise_train.bench serve`: GuideLLM drives `serve up` endpoints (full, pruned, SlimWise) and the bench
+reports throughput, per-user speed, TTFT, the best throughput under the per-user target, and each ratio beside
+the roofline bound, in one JSON line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import CHILD_ENV
+
+
+@pytest.mark.slow
+@pytest.mark.engine
+@pytest.mark.subprocess
+def test_bench_serve_reports_guidellm_runs_ratios_bounds_and_targets(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "slimwise_train.bench", "serve", "--models", "teacher", "--ratios",
+                           "0.5", "--concurrency", "2", "--min-requests", "4", "--rounds", "1", "--prompt", "16",
+                           "--output", "8",
+                           "--work-dir", str(tmp_path)], env=CHILD_ENV, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "serve" and result["load_generator"].startswith("guidellm")
+    teacher = result["results"]["teacher"]
+    assert set(teacher["runs"]) == {"full", "pruned_0.5", "slimwise_0.5"}
+    for runs in teacher["runs"].values():
+        row = runs["2"]
+        assert row["requests"] == 8 and row["errored"] == 0 and row["output_tokens_per_request"] == 8
+        assert row["output_tok_s"] > 0 and row["per_user_tok_s"]["p50"] >= row["per_user_tok_s"]["p90"] > 0
+        assert row["ttft_ms"]["p90"] >= row["ttft_ms"]["p50"] > 0
+    for variant in ("pruned_0.5", "slimwise_0.5"):
+        at = teacher["ratios_vs_full"][variant]["at_concurrency"]["2"]
+        full, mine = teacher["runs"]["full"]["2"]["output_tok_s"], teacher["runs"][variant]["2"]["output_tok_s"]
+        assert at["ratio"] == pytest.approx(mine / full, abs=2e-3) and at["bound"] >= 1.0
+        assert at["efficiency"] == pytest.approx(at["ratio"] / at["bound"], abs=2e-3)
+        flagged = any(variant in flag for flag in result["flags"])
+        assert flagged == (at["efficiency"] > 1)
+    # every variant ran as a prefill and a decode server with the handoff between them
+    assert all(h["bytes_per_request"] > 0 for h in teacher["handoff"].values())
+    assert teacher["target_per_user_tok_s"] > 0 and set(result["targets_met"]) == {
+        "errored_requests", "bound_holds", "slimwise_0.5_not_slower"}
+    assert list(tmp_path.iterdir()) == []  # GGUF files and GuideLLM's reports went with the run
