@@ -61,3 +61,34 @@ def compose_config(app: str, *overrides: str, **kwargs) -> DictConfig:
 def train_cfg(output_dir, *overrides: str) -> DictConfig:
     """The trainer tests' short real run (FAST_TRAIN) writing to `output_dir`, with `overrides` last."""
     return compose_config("train", *FAST_TRAIN, f"output_dir={output_dir}", *overrides)
+
+
+# --------------------------------------------------------------------------- realistic twins (slimwise_train/twins)
+
+# Built once per code version (the twins' source, adapters, shipped configs, library versions: twins.code_version)
+# and reused by later sessions; .gitignore covers .cache/.
+TWIN_CACHE = REPO / ".cache" / "slimwise" / "twins"
+TWIN_BUILD_SECONDS: dict[str, float] = {}  # preset -> seconds this session spent building it (0: from the cache)
+
+
+def twin_folder(preset: str, seed: int = 0) -> Path:
+    """The twin of `preset` with `seed`: TWIN_CACHE/<code version>/<preset>-seed<seed>, built there on first use
+    (under a lock, so concurrent sessions build it once) and reused while its record names the same code version."""
+    import fcntl
+    import time
+
+    from slimwise_train.twins import build_twin, code_version, read_record
+
+    version = code_version()
+    folder = TWIN_CACHE / version / f"{preset}-seed{seed}"
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = read_record(folder) if folder.is_dir() else None
+        if record and record["code_version"] == version and record["seed"] == seed:
+            TWIN_BUILD_SECONDS.setdefault(preset, 0.0)
+            return folder
+        start = time.perf_counter()
+        build_twin(preset, folder, seed=seed, overwrite=folder.exists(), log=lambda _: None)
+        TWIN_BUILD_SECONDS[preset] = time.perf_counter() - start
+    return folder

@@ -62,6 +62,27 @@ def prune_experts_(model: nn.Module, keep_set: KeepSet, pad_to: int | None = Non
     return model
 
 
+def drop_mtp(model: nn.Module) -> dict | None:
+    """Make `model`'s config say it has no multi-token-prediction layers: the adapter's `mtp_layers_key` set to 0.
+
+    A pruned or distilled decoder is exported without the checkpoint's MTP layers: transformers never loads them, so
+    they are not in the model that is saved, and a config still counting them would make an engine that speculates
+    with MTP (vLLM, SGLang) build a full-width MTP head over a pruned trunk, or look for tensors that are not there.
+    Returns {"key", "was"} (None for a family without MTP layers). A model that holds MTP tensors (a loader that kept
+    them) is an error: pruning them consistently is not implemented."""
+    adapter = get_adapter(model)
+    if adapter.mtp_layers_key is None:
+        return None
+    kept = [name for name in model.state_dict() if adapter.is_mtp_tensor(name, model)]
+    if kept:
+        raise ValueError(f"{type(model).__name__} holds multi-token-prediction tensors ({kept[0]}, ...): the export "
+                         "drops MTP layers but cannot prune them; load the model without them (transformers does)")
+    config = text_config(model)
+    was = adapter.mtp_layers(config)
+    setattr(config, adapter.mtp_layers_key, 0)
+    return {"key": adapter.mtp_layers_key, "was": was}
+
+
 def check_exportable(adapter: MoEAdapter, model: nn.Module, keep_set: KeepSet) -> None:
     if keep_set.is_uniform:
         return
@@ -87,13 +108,15 @@ def export_pruned(
     overwrite: bool = False,
     extra_files: dict[str, dict] | None = None,
 ) -> Path:
-    """Write the physically pruned decode checkpoint of `model` (left untouched) to `output_dir`, atomically."""
+    """Write the physically pruned decode checkpoint of `model` (left untouched) to `output_dir`, atomically.
+    Without MTP layers, its config saying so (`drop_mtp`)."""
     adapter = get_adapter(model)
     keep_set.check_model(model, adapter)
     check_exportable(adapter, model, keep_set)
     pruned = copy.deepcopy(model)
     pad_to = None if keep_set.is_uniform else max(keep_set.num_kept)
     prune_experts_(pruned, keep_set, pad_to=pad_to)
+    drop_mtp(pruned)
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
         pruned.save_pretrained(tmp)

@@ -4,14 +4,16 @@ tensors under their real checkpoint names where the real model has them, the tok
 
 Weights. Each tensor is drawn from its own generator seeded by (seed, tensor name), so a twin is the same for a seed
 on every run and its MTP layer does not shift the trunk's values. Matrices get N(0, 1/hidden): every projection keeps
-its input's scale. Three kinds get a larger scale on purpose, so that the comparisons the stages make are never
+its input's scale; embeddings N(0, 1) rows; biases N(0, 0.1^2); other vectors keep the stock initialisation (norm
+weights, linear-attention decay). Two kinds are drawn to make the comparisons the stages make decisive, never
 decided by rounding:
-  * the routers, N(0, ROUTER_GAIN^2/hidden): router logits of standard deviation ~4, so the top-k is clear-cut;
-  * the output head (the embedding where it is tied), rows N(0, LOGIT_STD^2/hidden) times a log-normal row scale
-    exp(N(0, ROW_SPREAD^2)): a few tokens stand out per position, so the greedy token leads the next by a wide margin
-    (`greedy_margins` measures it; tests/test_twins.py checks it against the rounding of the engines);
-  * embeddings: N(0, 1) rows (unit scale into the first norm).
-Vectors keep the stock initialisation (norm weights, linear-attention decay), biases get N(0, 0.1^2).
+  * the routers, N(0, ROUTER_GAIN^2/hidden): router logits of standard deviation ~4, a clear-cut top-k;
+  * the output head: rows N(0, LOGIT_STD^2/hidden) times a log-normal row scale exp(N(0, ROW_SPREAD^2)). The heavy
+    tail makes a few tokens stand out at each position, so the greedy token leads the next by a wide margin
+    (tests/test_twins.py measures the top-2 gap of every greedy step against the rounding of the logits). Where the
+    head is tied to the input embedding (Gemma 4, with its 30-logit softcap) the rows have unit scale and a lighter
+    tail (TIED_ROW_SPREAD) and the final norm's weight (TIED_LOGIT_STD) sets the logit scale, so the softcap is not
+    saturated by every token.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             if param is head:
                 # tied: unit-scale rows (the model scales its input embedding itself), the final norm sets the scale
                 rows = _normal(param.shape, (1.0 if tied else LOGIT_STD) / math.sqrt(hidden), seed, name)
-                spread = torch.exp(_normal(param.shape[:1], TIED_ROW_SPREAD if tied else ROW_SPREAD, seed, name + ":rows"))
+                spread = torch.exp(_normal(param.shape[:1], TIED_ROW_SPREAD if tied else ROW_SPREAD, seed,
+                                           name + ":rows"))
                 param.copy_(rows * spread[:, None])
             elif param is final_norm and tied:
                 param.fill_(TIED_LOGIT_STD)
@@ -201,8 +204,13 @@ def build_twin(preset: str, folder: str | os.PathLike, seed: int = 0, overwrite:
             tensors = _mtp_tensors(tensors, model, adapter, config, mtp, seed)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(tmp)
-        if (Path(scratch) / "generation_config.json").is_file():
-            GenerationConfig.from_pretrained(scratch).save_pretrained(tmp)
+        generation = (GenerationConfig.from_pretrained(scratch) if (Path(scratch) / "generation_config.json").is_file()
+                      else GenerationConfig())
+        stops = [tokenizer.convert_tokens_to_ids(token) for token in spec.turn_end]
+        eos = text_config(config).eos_token_id
+        generation.eos_token_id = stops + [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None
+                                           and e not in stops]
+        generation.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         record = {
             "format": FORMAT,

