@@ -134,7 +134,7 @@ VARIED_CHECK_TEXTS = 200  # varied texts (code, CJK, emoji, numbers, whitespace 
 VARIED_CHECK_SEED = 20261207
 
 
-def default_check_texts(folder: Path, log=print) -> tuple[list[str], list[str]]:
+def default_check_texts(folder: Path, log=print, tokenizer=None) -> tuple[list[str], list[str]]:
     """(checked, marked): what every conversion checks besides PROBE_TEXTS. `checked`: varied texts (data/probes.py)
     with the tokenizer's added tokens among them that the tokenizer decodes back exactly, NFC-normalised (llama.cpp does not apply a tokenizer's NFC
     normaliser, so text that is not in NFC can differ; the check covers text that is), and, where the tokenizer has a
@@ -148,7 +148,7 @@ def default_check_texts(folder: Path, log=print) -> tuple[list[str], list[str]]:
 
     from slimwise_train.data.probes import chat_probe_texts, varied_texts
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
     added = sorted(tokenizer.get_added_vocab())[:64]
     texts = varied_texts(VARIED_CHECK_TEXTS, VARIED_CHECK_SEED, added, nfc=True)
     # A vocabulary without bytes (the project's own) cannot hold every script: check what it writes back exactly.
@@ -266,6 +266,10 @@ def _llama_tokenize(model, text: str) -> list[int]:
         n = -got
 
 
+def _equal(model, tokenizer, texts: Sequence[str]) -> int:
+    return sum(_llama_tokenize(model, t) == ids for t, ids in zip(texts, _encode_all(tokenizer, texts)))
+
+
 def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLike, texts: Sequence[str]) -> tuple[int, int]:
     """(equal, total): texts that llama.cpp tokenizes to the same ids as transformers (no special tokens added,
     special-token text parsed by both)."""
@@ -275,16 +279,7 @@ def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLik
 
     hf = AutoTokenizer.from_pretrained(hf_folder)
     with GGUFModel(gguf_file, vocab_only=True) as model:
-        equal = sum(_llama_tokenize(model, t) == ids for t, ids in zip(texts, _encode_all(hf, texts)))
-    return equal, len(texts)
-
-
-def gguf_pre_tokenizer(gguf_file: str | os.PathLike) -> str | None:
-    """The pre-tokenizer a GGUF names (`tokenizer.ggml.pre`; None where its vocabulary type has none)."""
-    from slimwise_train.serve.llamacpp import GGUFModel
-
-    with GGUFModel(gguf_file, vocab_only=True) as model:
-        return model.metadata().get("tokenizer.ggml.pre")
+        return _equal(model, hf, texts), len(texts)
 
 
 def convert(
@@ -303,7 +298,9 @@ def convert(
     300 held-out problems when the tokenizer is the project's. Raises ValueError with one line
     on bad input, RuntimeError when the converter or the tokenization check fails; the outfile is then not written.
     """
-    from slimwise_train.serve.llamacpp import source_dir
+    from transformers import AutoTokenizer
+
+    from slimwise_train.serve.llamacpp import GGUFModel, source_dir
 
     folder, outfile = Path(folder), Path(outfile)
     if outtype not in OUTTYPES:
@@ -323,7 +320,8 @@ def convert(
         staging = Path(tmp) / folder.name
         staging.mkdir()
         pre, rewritten = _stage(folder, staging, pre_tokenizer)
-        checked, marked = default_check_texts(folder, log)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        checked, marked = default_check_texts(folder, log, tokenizer)
         texts = list(PROBE_TEXTS) + checked
         if check_texts is not None:
             texts += list(check_texts)
@@ -351,15 +349,19 @@ def convert(
             if proc.returncode != 0:
                 raise RuntimeError(f"llama.cpp's converter failed on {folder} (exit {proc.returncode}):\n"
                                    + "\n".join(proc.stderr.strip().splitlines()[-15:]))
-            equal, total = check_tokenization(tmp_out, folder, texts)
+            with GGUFModel(tmp_out, vocab_only=True) as model:
+                equal, total = _equal(model, tokenizer, texts), len(texts)
+                marked_equal = _equal(model, tokenizer, marked)
+                meta = model.metadata()
             if equal != total:
                 raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} check texts differently "
                                    f"from transformers (pre-tokenizer {pre!r}): not written; try another "
                                    "--pre-tokenizer")
-            named = gguf_pre_tokenizer(tmp_out)
-            log(f"gguf: tokenization equal to transformers on {equal}/{total} check texts (llama.cpp pre-tokenizer "
-                f"{named or 'none'}{'' if pre else ', recognised from the tokenizer'})")
-            equal, total = check_tokenization(tmp_out, folder, marked) if marked else (0, 0)
+            vocabulary, named = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+            how = ("as given" if pre else "recognised from the tokenizer") if named else "set by the vocabulary type"
+            log(f"gguf: tokenization equal to transformers on {equal}/{total} check texts (llama.cpp vocabulary "
+                f"{vocabulary}, pre-tokenizer {named or vocabulary} {how})")
+            equal, total = marked_equal, len(marked)
             if equal != total and named not in MARKS_OUTSIDE_WORDS:
                 raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} texts with combining "
                                    f"marks differently from transformers (pre-tokenizer {named!r}): not written; try "

@@ -74,7 +74,8 @@ def _trained_byte_level(specials, pattern, template, **names):
 def _gemma(vocab_size):
     from slimwise_train.twins.corpus import training_corpus
 
-    return tok.sentencepiece_style_bpe(vocab_size, GEMMA4_SPECIALS, training_corpus(), templates.GEMMA4)
+    return tok.sentencepiece_style_bpe(vocab_size, GEMMA4_SPECIALS, training_corpus(), templates.GEMMA4,
+                                       add_bos_token=True)
 
 
 SPECS: tuple[TwinSpec, ...] = (
@@ -137,7 +138,7 @@ SPECS: tuple[TwinSpec, ...] = (
         text=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                   intermediate_size=224),
         tokenizer=_trained_byte_level(MISTRAL_SPECIALS, LLAMA3_PATTERN, templates.MISTRAL_INST, bos_token="<s>",
-                                      eos_token="</s>", unk_token="<unk>"),
+                                      eos_token="</s>", unk_token="<unk>", add_bos_token=True),
         turn_end=("</s>",),
         tokenizer_source="trained byte-level BPE (Llama 3 split regex), 32,000 tokens, <unk> <s> </s> and Mistral's "
                          "v3 [INST]/tool tokens at ids 0-9; Mixtral's SentencePiece model is not on PyPI",

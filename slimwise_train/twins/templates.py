@@ -19,7 +19,9 @@ They follow each family's real format where it is simple and simplify where it i
     `to=functions.NAME` ... `<|call|>`, the last answer ending in `<|return|>`), without the date line.
   * GEMMA4: Gemma 4's turns (`<|turn>role` ... `<turn|>`), `<|tool>` declarations in the system turn, tool calls
     `<|tool_call>call:NAME{...}<tool_call|>` ending the model's output with `<|tool_response>`, the result and the
-    answer continuing the same model turn; declarations are written as JSON, not Gemma's own notation.
+    answer continuing the same model turn; declarations and arguments are written as JSON, not in Gemma's own
+    `key:<|"|>value<|"|>` notation (a template cannot turn OpenAI's JSON-string arguments into that, so training
+    renders and llama-server's, which parses them, would differ).
   * MISTRAL_INST: Mixtral's `[INST] ... [/INST]` with Mistral's v3 tool tokens; the tool list goes before the
     first user turn (Mistral's own puts it before the last), so a prefix of a conversation renders as a prefix.
   * TULU: OLMoE-Instruct's Tulu turns (`<|user|>`, `<|assistant|>`), with tools in the system turn as
@@ -160,16 +162,10 @@ HARMONY = (
     "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"
 )
 
-# Gemma 4 writes a string argument between <|"|> quotes and other values bare.
-_GEMMA_ARGS = (
-    "{%- if fn.arguments is mapping %}"
-    "{%- for key, value in fn.arguments | dictsort %}{%- if not loop.first %}{{- ',' }}{%- endif %}"
-    "{{- key + ':' }}{%- if value is string %}{{- '<|\"|>' + value + '<|\"|>' }}{%- else %}{{- value | tojson }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- else %}{{- fn.arguments }}{%- endif %}"
-)
-
 GEMMA4 = (
+    # llama.cpp reads this line (common/chat.cpp): without it, it takes a template with Gemma 4's tool-call text for
+    # an outdated one and folds the tool messages into the assistant's (tool_responses), which this one does not read
+    "{#- OpenAI Chat Completions: role tool messages follow the assistant's tool calls, as they come -#}"
     "{{- bos_token }}"
     "{%- set loop_messages = messages %}"
     "{%- if tools or (messages and messages[0].role == 'system') %}{{- '<|turn>system\\n' }}"
@@ -191,7 +187,7 @@ GEMMA4 = (
     "{%- if message.tool_calls %}"
     "{%- set ns.calls = [] %}{%- set ns.next = 0 %}"
     "{%- for call in message.tool_calls %}{%- set fn = call.function if call.function is defined else call %}"
-    "{{- '<|tool_call>call:' + fn.name + '{' }}" + _GEMMA_ARGS + "{{- '}<tool_call|>' }}"
+    "{{- '<|tool_call>call:' + fn.name }}" + _ARGS + "{{- '<tool_call|>' }}"
     "{%- set ns.calls = ns.calls + [fn.name] %}"
     "{%- endfor %}"
     "{{- '<|tool_response>' }}"
