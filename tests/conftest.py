@@ -42,17 +42,27 @@ def _one_thread():
 
 class Twins:
     """`twins[preset]`: the folder of a preset's realistic twin (slimwise_train/twins), built on first use and cached
-    across sessions by code version (tests/helpers.py `twin_folder`); `twins.presets` lists them."""
+    across sessions by code version (tests/helpers.py `twin_folder`); `twins.tokenizer(preset)` its tokenizer, loaded
+    once; `twins.presets` lists them."""
 
     def __init__(self):
         from slimwise_train.twins import PRESETS
 
         self.presets = PRESETS
+        self._tokenizers = {}
 
     def __getitem__(self, preset: str):
         from helpers import twin_folder
 
         return twin_folder(preset)
+
+    def tokenizer(self, preset: str):
+        """The twin's tokenizer, loaded once per session (a 248k vocabulary takes seconds): do not change it."""
+        if preset not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            self._tokenizers[preset] = AutoTokenizer.from_pretrained(self[preset])
+        return self._tokenizers[preset]
 
 
 @pytest.fixture(scope="session")
@@ -92,4 +102,5 @@ def pytest_terminal_summary(terminalreporter):
 
     built = {preset: seconds for preset, seconds in TWIN_BUILD_SECONDS.items() if seconds}
     if built:
-        terminalreporter.write_line("twins built this session (s): " + ", ".join(f"{p} {s:.1f}" for p, s in built.items()))
+        terminalreporter.write_line("twins built this session (s): "
+                                    + ", ".join(f"{p} {s:.1f}" for p, s in built.items()))

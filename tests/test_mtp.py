@@ -94,29 +94,52 @@ def test_drop_mtp_refuses_a_model_that_holds_mtp_tensors():
     assert drop_mtp(tiny_model("olmoe")) is None  # a family without MTP layers
 
 
+# Run in a child: llama.cpp's converter code as a library (its `conversion` package and gguf-py), asked where it puts
+# each checkpoint tensor name, without converting (a 248k vocabulary costs half a minute there).
+_MAP_NAMES = """
+import json, sys
+source, architecture, trunk = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.path[:0] = [source, source + "/gguf-py"]
+import gguf
+from conversion import get_model_class
+cls = get_model_class(architecture)
+cls.no_mtp = cls.mtp_only = False
+cls._original_block_count = trunk
+names = json.loads(sys.stdin.read())
+tensor_map = gguf.get_tensor_name_map(cls.model_arch, trunk + 1)
+out = {}
+for name in names:
+    item = cls.filter_tensors((name, None))
+    out[name] = None if item is None else tensor_map.get_name(item[0], try_suffixes=(".weight", ".bias"))
+print(json.dumps(out))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.engine
 @pytest.mark.subprocess
 def test_llama_cpp_reads_the_twins_mtp_layer_and_the_exports_carry_none(twins, twin_ggufs, tmp_path):
-    """llama.cpp's converter run alone on the Qwen3.6 twin maps its MTP tensors to a nextn layer (so they carry the
-    names it reads); `serve gguf` passes --no-mtp (the project serves the trunk), and the pruned export's GGUF has no
-    nextn layer either. DeepSeek-V3's converter skips layers past num_hidden_layers itself (test_twins checks that
-    its GGUF has 5 blocks and no nextn key)."""
+    """llama.cpp's converter code maps the Qwen3.6 twin's MTP tensors to a nextn layer after the trunk (so they carry
+    the names it reads: without --no-mtp it writes them as blk.<trunk>.nextn.* and the layer as blk.<trunk>.*);
+    `serve gguf` passes --no-mtp (the project serves the trunk), and the pruned export's GGUF has no nextn layer
+    either. DeepSeek-V3's converter skips layers past num_hidden_layers itself (test_twins checks that its GGUF has 5
+    blocks and no nextn key)."""
     from slimwise_train.serve.gguf import convert
     from slimwise_train.serve.llamacpp import GGUFModel, source_dir
 
     folder = twins["qwen3_5_moe_35b_a3b"]
-    trunk = text_config(AutoConfig.from_pretrained(folder)).num_hidden_layers
-    raw = tmp_path / "with-mtp.gguf"
-    proc = subprocess.run([sys.executable, str(source_dir() / "convert_hf_to_gguf.py"), str(folder), "--outfile",
-                           str(raw), "--outtype", "f32"], capture_output=True, text=True)
+    config = AutoConfig.from_pretrained(folder)
+    adapter, trunk = get_adapter(config), text_config(config).num_hidden_layers
+    names = [n for n in _tensor_names(folder) if adapter.is_mtp_tensor(n, config) and ".experts." not in n]
+    proc = subprocess.run([sys.executable, "-c", _MAP_NAMES, str(source_dir()), config.architectures[0], str(trunk)],
+                          input=json.dumps(names), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"blk.{trunk}.nextn.eh_proj.weight" in proc.stderr
-    with GGUFModel(raw, vocab_only=True) as gguf_model:
-        meta = gguf_model.metadata()
-    assert meta["qwen35moe.nextn_predict_layers"] == "1" and meta["qwen35moe.block_count"] == str(trunk + 1)
-    with GGUFModel(raw) as gguf_model:  # llama.cpp loads it: the trunk and its MTP layer
-        assert gguf_model.n_layer == trunk
+    mapped = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert mapped["mtp.fc.weight"] == f"blk.{trunk}.nextn.eh_proj.weight"
+    assert mapped["mtp.pre_fc_norm_embedding.weight"] == f"blk.{trunk}.nextn.enorm.weight"
+    assert mapped["mtp.pre_fc_norm_hidden.weight"] == f"blk.{trunk}.nextn.hnorm.weight"
+    assert mapped["mtp.norm.weight"] == f"blk.{trunk}.nextn.shared_head_norm.weight"
+    assert all(value and value.startswith(f"blk.{trunk}.") for value in mapped.values()), mapped
 
     model, tokenizer = load_model(ModelConfig(name="q", path=str(folder)), "cpu")
     layers = get_adapter(model).moe_layers(model)

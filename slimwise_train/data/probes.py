@@ -33,17 +33,21 @@ CODE = (
     "<div class=\"row\"><span id='a1'>&nbsp;</span></div>",
 )
 CJK = (
-    "你好，世界！今天天气很好。",
-    "机器学习模型的专家剪枝可以减少解码时的内存读取。",
-    "東京は日本の首都です。ひらがなとカタカナ、漢字。",
-    "한국어 문장도 토큰화해야 합니다.",
-    "混合 mixed 文本 text 123 测试。",
-    "「引用」と『二重引用』、そして……省略。",
+    "\u4f60\u597d\uff0c\u4e16\u754c\uff01\u4eca\u5929\u5929\u6c14\u5f88\u597d\u3002",
+    "\u673a\u5668\u5b66\u4e60\u6a21\u578b\u7684\u4e13\u5bb6\u526a\u679d"
+    "\u53ef\u4ee5\u51cf\u5c11\u89e3\u7801\u65f6\u7684\u5185\u5b58\u8bfb\u53d6\u3002",
+    "\u6771\u4eac\u306f\u65e5\u672c\u306e\u9996\u90fd\u3067\u3059\u3002"
+    "\u3072\u3089\u304c\u306a\u3068\u30ab\u30bf\u30ab\u30ca\u3001\u6f22\u5b57\u3002",
+    "\ud55c\uad6d\uc5b4 \ubb38\uc7a5\ub3c4 \ud1a0\ud070\ud654\ud574\uc57c \ud569\ub2c8\ub2e4.",
+    "\u6df7\u5408 mixed \u6587\u672c text 123 \u6d4b\u8bd5\u3002",
+    "\u300c\u5f15\u7528\u300d\u3068\u300e\u4e8c\u91cd\u5f15"
+    "\u7528\u300f\u3001\u305d\u3057\u3066\u2026\u2026\u7701\u7565\u3002",
 )
 EMOJI = (
-    "Emoji: 😀😃😄 👍🏽 ❤️ 🇫🇷 👨‍👩‍👧‍👦 🧑‍💻",
-    "🚀 launch at T-10s ✅ done ⚠️ warning",
-    "🙂🙃🤔🤖🎉🔥💯",
+    "Emoji: \U0001f600\U0001f603\U0001f604 \U0001f44d\U0001f3fd \u2764\ufe0f \U0001f1eb"
+    "\U0001f1f7 \U0001f468\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466 \U0001f9d1\u200d\U0001f4bb",
+    "\U0001f680 launch at T-10s \u2705 done \u26a0\ufe0f warning",
+    "\U0001f642\U0001f643\U0001f914\U0001f916\U0001f389\U0001f525\U0001f4af",
 )
 NUMBERS = (
     "3.14159 2.71828 1,234,567.89 -42 +7 1e-5 0x1F 0b1010",
@@ -61,14 +65,16 @@ WHITESPACE = (
     "trailing newline\n",
 )
 SCRIPTS = (
-    "Привет, мир! Ёжик в тумане.",
-    "Γειά σου Κόσμε, αβγδε.",
-    "مرحبا بالعالم",
-    "שלום עולם",
-    "नमस्ते दुनिया",
-    "สวัสดีชาวโลก",
-    "Ça va? Naïve café, façade, jalapeño, Straße, Øresund.",
-    "∑ᵢ xᵢ² ≤ ∞ → ∀ε>0 ∃δ; √2 ≈ 1.414; ½ ¾ ⅓",
+    "\u041f\u0440\u0438\u0432\u0435\u0442, \u043c\u0438\u0440! "
+    "\u0401\u0436\u0438\u043a \u0432 \u0442\u0443\u043c\u0430\u043d\u0435.",
+    "\u0393\u03b5\u03b9\u03ac \u03c3\u03bf\u03c5 \u039a\u03cc\u03c3\u03bc\u03b5, \u03b1\u03b2\u03b3\u03b4\u03b5.",
+    "\u0645\u0631\u062d\u0628\u0627 \u0628\u0627\u0644\u0639\u0627\u0644\u0645",
+    "\u05e9\u05dc\u05d5\u05dd \u05e2\u05d5\u05dc\u05dd",
+    "\u0928\u092e\u0938\u094d\u0924\u0947 \u0926\u0941\u0928\u093f\u092f\u093e",
+    "\u0e2a\u0e27\u0e31\u0e2a\u0e14\u0e35\u0e0a\u0e32\u0e27\u0e42\u0e25\u0e01",
+    "\u00c7a va? Na\u00efve caf\u00e9, fa\u00e7ade, jalape\u00f1o, Stra\u00dfe, \u00d8resund.",
+    "\u2211\u1d62 x\u1d62\u00b2 \u2264 \u221e \u2192 \u2200"
+    "\u03b5>0 \u2203\u03b4; \u221a2 \u2248 1.414; \u00bd \u00be \u2153",
 )
 # Decomposed forms (a letter then a combining mark): an NFC normaliser composes them.
 COMBINING = (
@@ -116,13 +122,13 @@ TOOLS = [
 # The 5-message tool conversation (system, user, assistant tool call, tool result, assistant), OpenAI form.
 TOOL_CONVERSATION = [
     {"role": "system", "content": "You are a concise assistant. Use tools when they help."},
-    {"role": "user", "content": "What is the weather in Paris, in celsius? 天气如何？"},
+    {"role": "user", "content": "What is the weather in Paris, in celsius? \u5929\u6c14\u5982\u4f55\uff1f"},
     {"role": "assistant", "content": "", "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
     {"role": "tool", "tool_call_id": "call_1", "name": "get_weather",
      "content": "{\"temperature\": 21, \"sky\": \"clear\"}"},
-    {"role": "assistant", "content": "It is 21 °C and clear in Paris. 🌞"},
+    {"role": "assistant", "content": "It is 21 \u00b0C and clear in Paris. \U0001f31e"},
 ]
 
 # A longer one: two tool calls in one turn (arguments as a mapping), two results, a follow-up question.
@@ -146,7 +152,8 @@ def chat_probe_texts(tokenizer) -> tuple[list[str], list[str]]:
     if not getattr(tokenizer, "chat_template", None):
         return [], ["no chat template"]
     texts, problems = [], []
-    for name, messages in (("TOOL_CONVERSATION", TOOL_CONVERSATION), ("MULTI_CALL_CONVERSATION", MULTI_CALL_CONVERSATION)):
+    for name, messages in (("TOOL_CONVERSATION", TOOL_CONVERSATION),
+                           ("MULTI_CALL_CONVERSATION", MULTI_CALL_CONVERSATION)):
         for cut, generation_prompt in ((len(messages), False), (len(messages) - 1, True)):
             try:
                 texts.append(tokenizer.apply_chat_template(messages[:cut], tools=TOOLS, tokenize=False,

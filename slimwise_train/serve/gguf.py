@@ -136,10 +136,10 @@ VARIED_CHECK_SEED = 20261207
 
 def default_check_texts(folder: Path, log=print, tokenizer=None) -> tuple[list[str], list[str]]:
     """(checked, marked): what every conversion checks besides PROBE_TEXTS. `checked`: varied texts (data/probes.py)
-    with the tokenizer's added tokens among them that the tokenizer decodes back exactly, NFC-normalised (llama.cpp does not apply a tokenizer's NFC
-    normaliser, so text that is not in NFC can differ; the check covers text that is), and, where the tokenizer has a
-    chat template, the probe conversations rendered by it (system, tools, tool calls, tool results, generation
-    prompt). `marked`: the varied texts with a letter followed by a combining mark (Devanagari, Thai, a decomposed
+    with the tokenizer's added tokens among them that the tokenizer decodes back exactly, NFC-normalised (llama.cpp
+    does not apply a tokenizer's NFC normaliser, so text that is not in NFC can differ; the check covers text that
+    is), and, where the tokenizer has a chat template, the probe conversations rendered by it (system, tools, tool
+    calls, tool results, generation prompt). `marked`: the varied texts with a letter followed by a combining mark (Devanagari, Thai, a decomposed
     accent), kept apart: llama.cpp's gpt-4o pre-tokenizer splits words at such marks where o200k's regex does not,
     so a real GPT-OSS tokenizes them differently in llama.cpp; `convert` reports them for that pre-tokenizer
     (MARKS_OUTSIDE_WORDS) and refuses a difference for any other."""

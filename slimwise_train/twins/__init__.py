@@ -12,10 +12,20 @@ template in the family's own format with generation markers, and `slimwise_twin.
 tokenizer source, code version: a cache key). docs/real-models.md has the table.
 
     from slimwise_train.twins import build_twin, PRESETS, code_version, read_record
+
+Attributes load on first use (PEP 562), so `--list` and a refused command do not import torch.
 """
 
-from slimwise_train.twins.build import FORMAT, RECORD, build_twin, code_version, read_record, twin_config_dict
-from slimwise_train.twins.specs import PRESETS, SPECS, TwinSpec, spec_of
+from __future__ import annotations
 
-__all__ = ["FORMAT", "PRESETS", "RECORD", "SPECS", "TwinSpec", "build_twin", "code_version", "read_record", "spec_of",
-           "twin_config_dict"]
+import importlib
+
+_FROM = {"FORMAT": "build", "RECORD": "build", "build_twin": "build", "code_version": "build", "read_record": "build",
+         "twin_config_dict": "build", "PRESETS": "specs", "SPECS": "specs", "TwinSpec": "specs", "spec_of": "specs"}
+__all__ = sorted(_FROM)
+
+
+def __getattr__(name: str):
+    if name not in _FROM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)

@@ -145,7 +145,8 @@ def _mtp_tensors(tensors: dict, model, adapter, config, count: int, seed: int) -
             if name.startswith(prefix):
                 name = adapter.mtp_layer_prefix(config, i) + name[len(prefix):]
         out[name] = tensor
-    norm_name = next(n for n in tensors if n.endswith("norm.weight") and n.startswith(layers.rsplit(".", 1)[0] + ".norm"))
+    final_norm = layers.rsplit(".", 1)[0] + ".norm"
+    norm_name = next(n for n in tensors if n.endswith("norm.weight") and n.startswith(final_norm))
     embedding_name = next(n for n in tensors if n.endswith("embed_tokens.weight") and "layers." not in n)
     head_name = "lm_head.weight" if "lm_head.weight" in tensors else embedding_name
     for i in range(count):
@@ -195,7 +196,8 @@ def build_twin(preset: str, folder: str | os.PathLike, seed: int = 0, overwrite:
     tokenizer = spec.tokenizer(vocab_size)
     if len(tokenizer) > vocab_size:
         raise RuntimeError(f"{preset}: tokenizer has {len(tokenizer)} tokens, the config's vocabulary {vocab_size}")
-    with atomic_dir(folder, overwrite=overwrite) as tmp, tempfile.TemporaryDirectory(prefix="slimwise-twin-") as scratch:
+    with atomic_dir(folder, overwrite=overwrite) as tmp, \
+            tempfile.TemporaryDirectory(prefix="slimwise-twin-") as scratch:
         model.to(STORED_DTYPE).save_pretrained(scratch)  # the hub layout transformers writes (per-expert tensors)
         tensors = {}
         for path in sorted(Path(scratch).glob("*.safetensors")):

@@ -106,7 +106,8 @@ SPECS: tuple[TwinSpec, ...] = (
         text=dict(hidden_size=64, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=4,
                   intermediate_size=160, moe_intermediate_size=16, q_lora_rank=48, kv_lora_rank=16,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-        tokenizer=lambda vocab_size: tok.deepseek_tokenizer(templates.DEEPSEEK_V3), turn_end=("<｜end▁of▁sentence｜>",),
+        tokenizer=lambda vocab_size: tok.deepseek_tokenizer(templates.DEEPSEEK_V3),
+        turn_end=(templates.deepseek_markers("[[end of sentence]]"),),
         tokenizer_source="deepseek-tokenizer 0.3.0: DeepSeek-V3's tokenizer.json (128,000 + 1,280 added tokens)",
         recognised_pre_tokenizer="deepseek-v3",
         notes="3 dense-first layers + 2 MoE layers; MLA ranks in the real 3:1 proportion; MTP layer as "

