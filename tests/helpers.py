@@ -73,17 +73,23 @@ TWIN_BUILD_SECONDS: dict[str, float] = {}  # preset -> seconds this session spen
 
 def twin_folder(preset: str, seed: int = 0) -> Path:
     """The twin of `preset` with `seed`: TWIN_CACHE/<code version>/<preset>-seed<seed>, built there on first use
-    (under a lock, so concurrent sessions build it once) and reused while its record names the same code version."""
+    (under a lock, so concurrent sessions build it once) and reused while its record names the same code version;
+    the folders of other code versions are removed."""
     import fcntl
+    import shutil
     import time
 
     from slimwise_train.twins import build_twin, code_version, read_record
 
     version = code_version()
     folder = TWIN_CACHE / version / f"{preset}-seed{seed}"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / ".lock", "w") as lock:
+    TWIN_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(TWIN_CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        for old in TWIN_CACHE.iterdir():  # twins of an older code version are never read again (~370 MB each)
+            if old.is_dir() and old.name != version:
+                shutil.rmtree(old, ignore_errors=True)
+        folder.parent.mkdir(exist_ok=True)
         record = read_record(folder) if folder.is_dir() else None
         if record and record["code_version"] == version and record["seed"] == seed:
             TWIN_BUILD_SECONDS.setdefault(preset, 0.0)

@@ -338,7 +338,7 @@ def convert(
             "slimwise.source": folder.resolve().name,
         }
         log(f"gguf: {folder} -> {outfile} ({outtype}, role {metadata['slimwise.role']}, "
-            f"pre-tokenizer {pre or 'recognised by llama.cpp'})")
+            f"pre-tokenizer {pre or 'chosen by llama.cpp'})")
         with atomic_path(outfile) as tmp_out:
             command = [sys.executable, "-m", "slimwise_train.serve._run_converter", "--source", str(source),
                        "--metadata-json", json.dumps(metadata), "--pre-tokenizer", pre or "",
