@@ -120,3 +120,72 @@ def served(tmp_path_factory):
     gguf.convert(root / "pruned", root / "pruned.gguf", log=lambda *_: None)
     pruned = AutoModelForCausalLM.from_pretrained(root / "pruned").eval()
     return dict(root=root, tokenizer=tokenizer, teacher=teacher, pruned=pruned, problems=problems)
+
+
+# --------------------------------------------------------------------------- realistic twins
+
+
+class Twins:
+    """`twins[preset]`: the folder of a preset's realistic twin (slimwise_train/twins), built on first use and cached
+    across sessions by code version (tests/helpers.py `twin_folder`); `twins.tokenizer(preset)` its tokenizer, loaded
+    once; `twins.presets` lists them."""
+
+    def __init__(self):
+        from slimwise_train.twins import PRESETS
+
+        self.presets = PRESETS
+        self._tokenizers = {}
+
+    def __getitem__(self, preset: str):
+        from helpers import twin_folder
+
+        return twin_folder(preset)
+
+    def tokenizer(self, preset: str):
+        """The twin's tokenizer, loaded once per session (a 248k vocabulary takes seconds): do not change it."""
+        if preset not in self._tokenizers:
+            from transformers import AutoTokenizer
+
+            self._tokenizers[preset] = AutoTokenizer.from_pretrained(self[preset])
+        return self._tokenizers[preset]
+
+
+@pytest.fixture(scope="session")
+def twins():
+    """Every preset's realistic twin, lazily: `twins["qwen3_5_moe_35b_a3b"]` is its folder (config.json, weights with
+    the real names incl. MTP, tokenizer + chat template, slimwise_twin.json)."""
+    return Twins()
+
+
+class TwinGGUFs:
+    """`twin_ggufs[preset]`: the twin converted by `serve gguf` (f32; the spec's --pre-tokenizer where llama.cpp does
+    not recognise the tokenizer), once per session; `twin_ggufs.logs[preset]` holds what the conversion printed."""
+
+    def __init__(self, twins, root):
+        self.twins, self.root, self.files, self.logs = twins, root, {}, {}
+
+    def __getitem__(self, preset: str):
+        if preset not in self.files:
+            from slimwise_train.serve.gguf import convert
+            from slimwise_train.twins import spec_of
+
+            lines = []
+            self.files[preset] = convert(self.twins[preset], self.root / f"{preset}.gguf",
+                                         pre_tokenizer=spec_of(preset).pre_tokenizer_flag, log=lines.append)
+            self.logs[preset] = lines
+        return self.files[preset]
+
+
+@pytest.fixture(scope="session")
+def twin_ggufs(twins, tmp_path_factory):
+    """Every twin as GGUF, lazily, once per session (needs llama.cpp: mark tests `engine`)."""
+    return TwinGGUFs(twins, tmp_path_factory.mktemp("twin-gguf"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    from helpers import TWIN_BUILD_SECONDS
+
+    built = {preset: seconds for preset, seconds in TWIN_BUILD_SECONDS.items() if seconds}
+    if built:
+        terminalreporter.write_line("twins built this session (s): "
+                                    + ", ".join(f"{p} {s:.1f}" for p, s in built.items()))

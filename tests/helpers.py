@@ -137,3 +137,40 @@ def write_chat_tokenizer(folder, generation_markers: bool = True) -> Path:
 # The shipped conversations (slimwise_train/data/tool_chats.py) in each row form.
 TOOL_CHATS = {form: REPO / "slimwise_train" / "assets" / "data" / f"tool_chats_{form}.jsonl"
               for form in ("openai", "sharegpt")}
+
+
+# --------------------------------------------------------------------------- realistic twins (slimwise_train/twins)
+
+# Built once per code version (the twins' source, adapters, shipped configs, library versions: twins.code_version)
+# and reused by later sessions; .gitignore covers .cache/.
+TWIN_CACHE = REPO / ".cache" / "slimwise" / "twins"
+TWIN_BUILD_SECONDS: dict[str, float] = {}  # preset -> seconds this session spent building it (0: from the cache)
+
+
+def twin_folder(preset: str, seed: int = 0) -> Path:
+    """The twin of `preset` with `seed`: TWIN_CACHE/<code version>/<preset>-seed<seed>, built there on first use
+    (under a lock, so concurrent sessions build it once) and reused while its record names the same code version;
+    the folders of other code versions are removed."""
+    import fcntl
+    import shutil
+    import time
+
+    from slimwise_train.twins import build_twin, code_version, read_record
+
+    version = code_version()
+    folder = TWIN_CACHE / version / f"{preset}-seed{seed}"
+    TWIN_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(TWIN_CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for old in TWIN_CACHE.iterdir():  # twins of an older code version are never read again (~370 MB each)
+            if old.is_dir() and old.name != version:
+                shutil.rmtree(old, ignore_errors=True)
+        folder.parent.mkdir(exist_ok=True)
+        record = read_record(folder) if folder.is_dir() else None
+        if record and record["code_version"] == version and record["seed"] == seed:
+            TWIN_BUILD_SECONDS.setdefault(preset, 0.0)
+            return folder
+        start = time.perf_counter()
+        build_twin(preset, folder, seed=seed, overwrite=folder.exists(), log=lambda _: None)
+        TWIN_BUILD_SECONDS[preset] = time.perf_counter() - start
+    return folder

@@ -32,6 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "plan": _SHARED | {"prune", "distill", "bench"},
     # the lm-eval `slimwise` model: the eval app's generation, metrics and report (one implementation)
     "lm_eval": _SHARED | {"eval"},
+    # realistic twins of the shipped presets (python -m slimwise_train.twins): configs, adapters (MTP names), tokenizers
+    "twins": _SHARED,
     "__main__": {"distill", "utils"},
     "__init__": set(),
 }

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from slimwise_train.moe.adapters import get_adapter
 from slimwise_train.moe.checkpoint import LazyCheckpoint, PlannedSafetensorsWriter, PlannedTensor
 from slimwise_train.moe.keepset import KeepSet
-from slimwise_train.moe.pruning import export_pruned, export_pruned_from_checkpoint, prune_experts_
+from slimwise_train.moe.pruning import drop_mtp, export_pruned, export_pruned_from_checkpoint, prune_experts_
 from slimwise_train.testing.tiny import SUPPORTED_TINY, tiny_model
 
 
@@ -53,8 +53,11 @@ def _assert_same_checkpoint(got, reference):
 
 
 def _reference(model, keep, folder):
+    # the old path, with the export's MTP rule (its config says 0 MTP layers: moe/pruning.py drop_mtp) applied
     pad_to = None if keep.is_uniform else max(keep.num_kept)
-    prune_experts_(copy.deepcopy(model), keep, pad_to=pad_to).save_pretrained(folder, max_shard_size="40KB")
+    pruned = prune_experts_(copy.deepcopy(model), keep, pad_to=pad_to)
+    drop_mtp(pruned)
+    pruned.save_pretrained(folder, max_shard_size="40KB")
     return folder
 
 

@@ -15,6 +15,7 @@ llama.cpp is built by `make venv`; these tests do not skip.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -349,7 +350,9 @@ def test_cli_converts_and_generates_as_the_readme_shows(served, tmp_path):
     run = lambda *a: subprocess.run([*env_cmd, *a], capture_output=True, text=True, timeout=300)  # noqa: E731
     proc = run("gguf", str(served["root"] / "pruned"), "--outfile", str(tmp_path / "p.gguf"), "--outtype", "f16")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "tokenization equal to transformers on 303/303" in proc.stderr
+    # the 3 probes and the 300 suite problems, besides the varied texts the tokenizer holds (serve/gguf.py)
+    checked = re.search(r"tokenization equal to transformers on (\d+)/\1 check texts", proc.stderr)
+    assert checked and int(checked.group(1)) > 303, proc.stderr[-2000:]
     out = tmp_path / "out.jsonl"
     proc = run("generate", "--prefill", str(served["root"] / "teacher.gguf"), "--decode", str(tmp_path / "p.gguf"),
                "--prompts", str(prompts), "--max-new-tokens", "40", "--output", str(out), "--threads", "1")

@@ -20,6 +20,8 @@ Architecture of the exported checkpoint:
     is one) it is the stock class too: the slot's trained extra columns are concatenated into its weights (gate/up
     rows, down columns) and the adapter's config field grows to match (`shared_expert_intermediate_size`,
     DeepSeek-V3's `n_shared_experts`, Gemma 4's `intermediate_size`), so any engine that loads the family loads it;
+  * multi-token-prediction layers of the teacher's checkpoint (Qwen3.5/3.6, Qwen3-Next, DeepSeek-V3) are not
+    exported; the config says so (`mtp_num_hidden_layers` / `num_nextn_predict_layers`: 0, `moe.pruning.drop_mtp`);
   * with a new shared expert (shared_expert_mode=new, explicit only), no stock class has an ungated shared expert
     in the right place for every family, so it is a registered architecture: model_type
     `slimwise_<base model_type>`, class `Slimwise<StockClass>`, which is the stock class plus one `SharedExpert`
@@ -57,7 +59,7 @@ from slimwise_train.distill.student import (
 )
 from slimwise_train.distill.lora import merge_lora_, preset_name
 from slimwise_train.moe.keepset import KeepSet
-from slimwise_train.moe.pruning import check_exportable, prune_experts_
+from slimwise_train.moe.pruning import check_exportable, drop_mtp, prune_experts_
 from slimwise_train.utils.atomic import atomic_dir, atomic_path
 from slimwise_train.utils.fingerprint import model_cache_fingerprint
 from slimwise_train.utils.hf import text_config
@@ -321,6 +323,7 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
     # weights, not the cache the teacher writes for it): what the llama.cpp handoff checks (serve/gguf.py)
     teacher_fingerprint = model_cache_fingerprint(student.model)
     model = folded_decoder(student, in_place=in_place)
+    mtp = drop_mtp(model)  # the checkpoint's MTP layers are not exported: the config says 0 (moe/pruning.py)
     config = text_config(model)
     base_model_type = config.model_type
     # A new shared expert needs the registered architecture; a native one was folded into the stock slot, and
@@ -366,6 +369,7 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
         "shared_expert": student.spec.shared_expert_mode if student.spec.train_shared_expert else None,
         "trainable": preset_name(student.spec.lora),  # the resolved preset (LoRA merged into the weights above)
         "cache_fingerprint": teacher_fingerprint,
+        "mtp": None if mtp is None else f"dropped: {mtp['key']} {mtp['was']} -> 0 (no MTP tensors exported)",
     }
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:

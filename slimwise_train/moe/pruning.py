@@ -70,6 +70,38 @@ def prune_experts_(model: nn.Module, keep_set: KeepSet, pad_to: int | None = Non
     return model
 
 
+def mtp_config_updates(model: nn.Module) -> dict:
+    """What an export sets in its (text) config so that it says it has no multi-token-prediction layers: the adapter's
+    `mtp_layers_key` at 0 ({} for a family without MTP layers). `model` is not changed.
+
+    A pruned or distilled decoder is exported without the checkpoint's MTP layers: transformers never loads them, so
+    they are not in the model that is saved, and a config still counting them would make an engine that speculates
+    with MTP (vLLM, SGLang) build a full-width MTP head over a pruned trunk, or look for tensors that are not there.
+    A model that holds MTP tensors (a loader that kept them) is an error: pruning them consistently is not
+    implemented."""
+    adapter = get_adapter(model)
+    if adapter.mtp_layers_key is None:
+        return {}
+    kept = [name for name in model.state_dict() if adapter.is_mtp_tensor(name, model)]
+    if kept:
+        raise ValueError(f"{type(model).__name__} holds multi-token-prediction tensors ({kept[0]}, ...): the export "
+                         "drops MTP layers but cannot prune them; load the model without them (transformers does)")
+    return {adapter.mtp_layers_key: 0}
+
+
+def drop_mtp(model: nn.Module) -> dict | None:
+    """Make `model`'s own config say it has no MTP layers (`mtp_config_updates` applied to it): for an export that
+    saves a model it built (the distilled decoder). Returns {"key", "was"} (None for a family without MTP layers)."""
+    updates = mtp_config_updates(model)
+    if not updates:
+        return None
+    (key, value), = updates.items()
+    config = text_config(model)
+    was = get_adapter(model).mtp_layers(config)
+    setattr(config, key, value)
+    return {"key": key, "was": was}
+
+
 def check_exportable(adapter: MoEAdapter, model: nn.Module, keep_set: KeepSet) -> None:
     if keep_set.is_uniform:
         return
@@ -275,13 +307,15 @@ def export_pruned(
     extra_files: dict[str, dict] | None = None,
     max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write the physically pruned decode checkpoint of `model` (left untouched) to `output_dir`, atomically."""
+    """Write the physically pruned decode checkpoint of `model` (left untouched) to `output_dir`, atomically.
+    Without MTP layers, its config saying so (`drop_mtp`)."""
     adapter = get_adapter(model)
     keep_set.check_model(model, adapter)
     check_exportable(adapter, model, keep_set)
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
-        save_pruned(model, keep_set, tmp, max_shard_size=max_shard_size)  # no copy of the model (see save_pruned)
+        save_pruned(model, keep_set, tmp, max_shard_size=max_shard_size,  # no copy of the model (see save_pruned)
+                    config_updates=mtp_config_updates(model))
         _save_beside(tmp, keep_set, tokenizer, extra_files)
     return output_dir
 
@@ -297,6 +331,7 @@ def export_pruned_from_checkpoint(checkpoint, keep_set: KeepSet, output_dir: str
     adapter = get_adapter(model)
     keep_set.check_model(model, adapter)
     check_exportable(adapter, model, keep_set)
+    config_updates = {**mtp_config_updates(model), **(config_updates or {})}
     output_dir = Path(output_dir)
     with atomic_dir(output_dir, overwrite=overwrite) as tmp:
         save_pruned(model, keep_set, tmp, max_shard_size=max_shard_size or checkpoint.largest_shard_bytes(),

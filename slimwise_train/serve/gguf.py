@@ -65,9 +65,13 @@ def _byte_level(text: str) -> str:
 
 
 def _components(node) -> list[dict]:
+    """The parts of a tokenizer.json pre-tokenizer or decoder, a Sequence flattened (a pre-tokenizer Sequence lists
+    `pretokenizers`, a decoder Sequence `decoders`: Gemma's byte-fallback decoder is one)."""
     if not node:
         return []
-    return [c for item in node.get("pretokenizers", [node]) for c in _components(item)] if node.get("type") == "Sequence" else [node]
+    if node.get("type") != "Sequence":
+        return [node]
+    return [c for item in node.get("pretokenizers") or node.get("decoders") or [] for c in _components(item)]
 
 
 def is_byte_level(tokenizer_json: dict) -> bool:
@@ -121,6 +125,48 @@ PROBE_TEXTS = (
 
 def _encode_all(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+# llama.cpp pre-tokenizers whose regex, adapted to llama.cpp's engine, leaves combining marks out of words (o200k's
+# keeps them in: src/llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_GPT4O): texts with such marks are reported, not refused.
+MARKS_OUTSIDE_WORDS = ("gpt-4o",)
+VARIED_CHECK_TEXTS = 200  # varied texts (code, CJK, emoji, numbers, whitespace runs, ...) every conversion checks
+VARIED_CHECK_SEED = 20261207
+
+
+def default_check_texts(folder: Path, log=print, tokenizer=None) -> tuple[list[str], list[str]]:
+    """(checked, marked): what every conversion checks besides PROBE_TEXTS. `checked`: varied texts (data/probes.py)
+    with the tokenizer's added tokens among them that the tokenizer decodes back exactly, NFC-normalised (llama.cpp
+    does not apply a tokenizer's NFC normaliser, so text that is not in NFC can differ; the check covers text that
+    is), and, where the tokenizer has a chat template, the probe conversations rendered by it (system, tools, tool
+    calls, tool results, generation prompt). `marked`: the varied texts with a letter followed by a combining mark (Devanagari, Thai, a decomposed
+    accent), kept apart: llama.cpp's gpt-4o pre-tokenizer splits words at such marks where o200k's regex does not,
+    so a real GPT-OSS tokenizes them differently in llama.cpp; `convert` reports them for that pre-tokenizer
+    (MARKS_OUTSIDE_WORDS) and refuses a difference for any other."""
+    import regex
+    from transformers import AutoTokenizer
+
+    from slimwise_train.data.probes import chat_probe_texts, varied_texts
+
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
+    added = sorted(tokenizer.get_added_vocab())[:64]
+    texts = varied_texts(VARIED_CHECK_TEXTS, VARIED_CHECK_SEED, added, nfc=True)
+    # A vocabulary without bytes (the project's own) cannot hold every script: check what it writes back exactly.
+    exact = [t for t in texts if tokenizer.decode(tokenizer.encode(t, add_special_tokens=False),
+                                                  clean_up_tokenization_spaces=False) == t]
+    if len(exact) < len(texts):
+        log(f"gguf: {folder.name}: {len(texts) - len(exact)} of {len(texts)} varied check texts do not decode back "
+            f"to themselves with this tokenizer (characters outside its vocabulary); checked on the other {len(exact)}")
+    texts = exact
+    mark = regex.compile(r"\p{L}\p{M}")
+    marked = [t for t in texts if mark.search(t)]
+    rendered, problems = chat_probe_texts(tokenizer)
+    if problems and rendered == []:
+        log(f"gguf: {folder.name}: {problems[0]}: tokenization checked on plain texts only")
+    elif problems:
+        log(f"gguf: {folder.name}: the chat template did not render {len(problems)} probe conversation(s) "
+            f"({problems[0]}); checked on the {len(rendered)} it rendered")
+    return [t for t in texts if not mark.search(t)] + rendered, marked
 
 
 # ------------------------------------------------------------------------------------------------ fingerprint
@@ -183,7 +229,10 @@ def _stage(folder: Path, staging: Path, pre_tokenizer: str | None) -> tuple[str 
     components = _components(tok.get("pre_tokenizer"))
     is_project = any(c.get("type") == "Split" and (c.get("pattern") or {}).get("Regex") == PROJECT_PRETOKENIZER_PATTERN
                      for c in components)
-    rewritten = tok.get("model", {}).get("type") == "BPE" and not is_byte_level(tok)
+    # A SentencePiece-style BPE (spaces as "▁", byte fallback: Llama, Gemma) is read by llama.cpp as such, not as a
+    # byte-level vocabulary: only a raw-character BPE without byte fallback (the project's) needs the rewrite.
+    model = tok.get("model", {})
+    rewritten = model.get("type") == "BPE" and not is_byte_level(tok) and not model.get("byte_fallback")
     if rewritten:
         tok = to_byte_level(tok)
     (staging / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
@@ -203,16 +252,34 @@ def _check_rewrite(original: Path, staged: Path, texts: Sequence[str]) -> None:
                            f"check texts differently (first: {bad[0][:80]!r}); this tokenizer cannot be converted")
 
 
+def _llama_tokenize(model, text: str) -> list[int]:
+    """llama.cpp's tokenization of `text` with its special-token text parsed as those tokens, as transformers'
+    `encode` does (a chat render holds `<|im_start|>` and the like); no BOS added. (GGUFModel.tokenize parses none:
+    the handoff's prompts are plain text.)"""
+    L, data = model._L, text.encode("utf-8")
+    n = len(data) + 8
+    while True:
+        out = (L.llama_token * n)()
+        got = L.llama_tokenize(model.vocab, data, len(data), out, n, False, True)
+        if got >= 0:
+            return list(out[:got])
+        n = -got
+
+
+def _equal(model, tokenizer, texts: Sequence[str]) -> int:
+    return sum(_llama_tokenize(model, t) == ids for t, ids in zip(texts, _encode_all(tokenizer, texts)))
+
+
 def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLike, texts: Sequence[str]) -> tuple[int, int]:
-    """(equal, total): texts that llama.cpp tokenizes to the same ids as transformers (no special tokens added)."""
+    """(equal, total): texts that llama.cpp tokenizes to the same ids as transformers (no special tokens added,
+    special-token text parsed by both)."""
     from transformers import AutoTokenizer
 
     from slimwise_train.serve.llamacpp import GGUFModel
 
     hf = AutoTokenizer.from_pretrained(hf_folder)
     with GGUFModel(gguf_file, vocab_only=True) as model:
-        equal = sum(model.tokenize(t) == ids for t, ids in zip(texts, _encode_all(hf, texts)))
-    return equal, len(texts)
+        return _equal(model, hf, texts), len(texts)
 
 
 def convert(
@@ -226,11 +293,14 @@ def convert(
 ) -> Path:
     """Convert an HF checkpoint folder (a teacher, a pruned checkpoint or a distilled export) to one GGUF file.
 
-    `check_texts`: texts whose llama.cpp tokenization must equal transformers' (default: the suite's 300 held-out
-    problems when the tokenizer is the project's, else only the built-in probes). Raises ValueError with one line
+    `check_texts`: texts whose llama.cpp tokenization must equal transformers', besides the built-in probes, the
+    varied texts and the chat template's renders of the probe conversations (`default_check_texts`), and the suite's
+    300 held-out problems when the tokenizer is the project's. Raises ValueError with one line
     on bad input, RuntimeError when the converter or the tokenization check fails; the outfile is then not written.
     """
-    from slimwise_train.serve.llamacpp import source_dir
+    from transformers import AutoTokenizer
+
+    from slimwise_train.serve.llamacpp import GGUFModel, source_dir
 
     folder, outfile = Path(folder), Path(outfile)
     if outtype not in OUTTYPES:
@@ -250,7 +320,9 @@ def convert(
         staging = Path(tmp) / folder.name
         staging.mkdir()
         pre, rewritten = _stage(folder, staging, pre_tokenizer)
-        texts = list(PROBE_TEXTS)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        checked, marked = default_check_texts(folder, log, tokenizer)
+        texts = list(PROBE_TEXTS) + checked
         if check_texts is not None:
             texts += list(check_texts)
         elif pre == PROJECT_PRETOKENIZER and pre_tokenizer is None:
@@ -266,7 +338,7 @@ def convert(
             "slimwise.source": folder.resolve().name,
         }
         log(f"gguf: {folder} -> {outfile} ({outtype}, role {metadata['slimwise.role']}, "
-            f"pre-tokenizer {pre or 'recognised by llama.cpp'})")
+            f"pre-tokenizer {pre or 'chosen by llama.cpp'})")
         with atomic_path(outfile) as tmp_out:
             command = [sys.executable, "-m", "slimwise_train.serve._run_converter", "--source", str(source),
                        "--metadata-json", json.dumps(metadata), "--pre-tokenizer", pre or "",
@@ -277,10 +349,25 @@ def convert(
             if proc.returncode != 0:
                 raise RuntimeError(f"llama.cpp's converter failed on {folder} (exit {proc.returncode}):\n"
                                    + "\n".join(proc.stderr.strip().splitlines()[-15:]))
-            equal, total = check_tokenization(tmp_out, folder, texts)
+            with GGUFModel(tmp_out, vocab_only=True) as model:
+                equal, total = _equal(model, tokenizer, texts), len(texts)
+                marked_equal = _equal(model, tokenizer, marked)
+                meta = model.metadata()
             if equal != total:
                 raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} check texts differently "
                                    f"from transformers (pre-tokenizer {pre!r}): not written; try another "
                                    "--pre-tokenizer")
-            log(f"gguf: tokenization equal to transformers on {equal}/{total} check texts")
+            vocabulary, named = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+            how = ("as given" if pre else "recognised from the tokenizer") if named else "set by the vocabulary type"
+            log(f"gguf: tokenization equal to transformers on {equal}/{total} check texts (llama.cpp vocabulary "
+                f"{vocabulary}, pre-tokenizer {named or vocabulary} {how})")
+            equal, total = marked_equal, len(marked)
+            if equal != total and named not in MARKS_OUTSIDE_WORDS:
+                raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} texts with combining "
+                                   f"marks differently from transformers (pre-tokenizer {named!r}): not written; try "
+                                   "another --pre-tokenizer")
+            if total:
+                log(f"gguf: and on {equal}/{total} texts with combining marks" + ("" if equal == total else
+                    f": llama.cpp's {named} pre-tokenizer splits words at combining marks where this tokenizer does "
+                    "not (not refused: the real model has the same difference in llama.cpp; check your languages)"))
     return outfile

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from slimwise_train.utils.hf import text_config
+
 RouterOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logits or probs [T,E], weights [T,K], index [T,K])
 
 
@@ -131,6 +133,34 @@ class MoEAdapter:
 
     def describe(self, moe: MoELayer) -> str:
         return f"layer {moe.layer_index}: {moe.num_experts} experts, top-{moe.top_k}"
+
+    # ------------------------------------------------------------------ multi-token prediction (MTP)
+    # Checkpoints of some families (Qwen3.5/3.6, Qwen3-Next, DeepSeek-V3) carry MTP layers beside the trunk, which
+    # transformers does not load. `mtp_layers_key` is the (text) config key that counts them; None: the family has
+    # none. A pruned or distilled export drops them and sets that key to 0 (moe/pruning.py, `drop_mtp_config`).
+    mtp_layers_key: str | None = None
+
+    def mtp_layers(self, config) -> int:
+        """How many MTP layers a checkpoint of this (text) config carries."""
+        return int(getattr(text_config(config), self.mtp_layers_key, 0) or 0) if self.mtp_layers_key else 0
+
+    def is_mtp_tensor(self, name: str, config) -> bool:
+        """Whether the checkpoint tensor `name` belongs to an MTP layer or its head."""
+        return False
+
+    def mtp_trunk_overrides(self, config, count: int) -> dict:
+        """Text-config values under which the stock class builds `count` more decoder layers of the kind the MTP
+        layers are (what builds an MTP layer's tensors with the trunk's names, e.g. the twins)."""
+        raise NotImplementedError(f"{self.family} has no MTP layers")
+
+    def mtp_layer_prefix(self, config, index: int) -> str:
+        """Where MTP layer `index` (a decoder layer) lives in a checkpoint, e.g. `mtp.layers.0.`."""
+        raise NotImplementedError(f"{self.family} has no MTP layers")
+
+    def mtp_head_tensors(self, config, index: int) -> dict[str, tuple[int, ...]]:
+        """{checkpoint name: shape} of what MTP layer `index` has besides its decoder layer: the projection of
+        [embedding; hidden] back to the hidden size, its norms, its own embedding and output head where it has them."""
+        raise NotImplementedError(f"{self.family} has no MTP layers")
 
     # ------------------------------------------------------------------ native shared slot
     # The family's own always-on MLP beside the routed experts (Qwen's gated shared expert, DeepSeek-V3's shared

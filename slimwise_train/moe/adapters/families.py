@@ -6,6 +6,8 @@ excluded before selection; tests check that with nothing removed it reproduces t
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from slimwise_train.moe.adapters.base import MoEAdapter, MoELayer, softmax_topk_route
@@ -58,12 +60,40 @@ class Qwen2MoeAdapter(SoftmaxTopKAdapter):
     native_slot_key = "shared_expert_intermediate_size"
 
 
-class Qwen3NextAdapter(Qwen2MoeAdapter):
+class QwenMtpAdapter(Qwen2MoeAdapter):
+    """Qwen3-Next and Qwen3.5/3.6 checkpoints hold their MTP layers under `mtp.*` (a full-attention MoE decoder
+    layer `mtp.layers.<i>.*`, `mtp.fc` projecting [embedding; hidden] to the hidden size, `mtp.pre_fc_norm_embedding`,
+    `mtp.pre_fc_norm_hidden` and the final `mtp.norm`; the embedding and output head are the trunk's), counted by
+    `mtp_num_hidden_layers` (names as llama.cpp's converter and vLLM read them)."""
+
+    mtp_layers_key = "mtp_num_hidden_layers"
+
+    def is_mtp_tensor(self, name, config):
+        return name.startswith(("mtp.", "model.mtp."))
+
+    def mtp_trunk_overrides(self, config, count):
+        config = text_config(config)
+        types = list(getattr(config, "layer_types", None) or [])
+        return {"num_hidden_layers": config.num_hidden_layers + count,
+                **({"layer_types": types + ["full_attention"] * count} if types else {})}
+
+    def mtp_layer_prefix(self, config, index):
+        return f"mtp.layers.{index}."
+
+    def mtp_head_tensors(self, config, index):
+        if index:
+            return {}  # one projection and one set of norms, whatever the layer count
+        hidden = text_config(config).hidden_size
+        return {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
+
+
+class Qwen3NextAdapter(QwenMtpAdapter):
     family = "qwen3_next"
     model_types = ("qwen3_next",)
 
 
-class Qwen35MoeAdapter(Qwen2MoeAdapter):
+class Qwen35MoeAdapter(QwenMtpAdapter):
     family = "qwen3_5_moe"
     model_types = ("qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -101,6 +131,28 @@ class DeepseekV3Adapter(SoftmaxTopKAdapter):
                 "distill.student.shared_expert_mode=none (no shared expert, stock class) or new (remote code)"
             )
         return {"n_shared_experts": int(config.n_shared_experts) + extra // expert}
+
+    # The MTP layers follow the trunk as `model.layers.<num_hidden_layers + i>.*` (a MoE decoder layer) with `enorm`,
+    # `hnorm`, `eh_proj`, `shared_head.norm`, `shared_head.head` and their own `embed_tokens`, counted by
+    # `num_nextn_predict_layers` (DeepSeek-V3's checkpoint layout, as llama.cpp's converter and vLLM read it).
+    mtp_layers_key = "num_nextn_predict_layers"
+
+    def is_mtp_tensor(self, name, config):
+        found = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+        return found is not None and int(found.group(1)) >= text_config(config).num_hidden_layers
+
+    def mtp_trunk_overrides(self, config, count):
+        return {"num_hidden_layers": text_config(config).num_hidden_layers + count}
+
+    def mtp_layer_prefix(self, config, index):
+        return f"model.layers.{text_config(config).num_hidden_layers + index}."
+
+    def mtp_head_tensors(self, config, index):
+        config = text_config(config)
+        prefix, hidden, vocab = self.mtp_layer_prefix(config, index), config.hidden_size, config.vocab_size
+        return {f"{prefix}enorm.weight": (hidden,), f"{prefix}hnorm.weight": (hidden,),
+                f"{prefix}eh_proj.weight": (hidden, 2 * hidden), f"{prefix}shared_head.norm.weight": (hidden,),
+                f"{prefix}shared_head.head.weight": (vocab, hidden), f"{prefix}embed_tokens.weight": (vocab, hidden)}
 
     def expert_groups(self, model_or_config):
         return int(getattr(text_config(model_or_config), "n_group", None) or 1)
