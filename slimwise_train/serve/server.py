@@ -339,27 +339,35 @@ class DisaggregatedClient:
             check_fits(len(req.prompt_ids), req.max_new_tokens, self.n_ctx,
                        "start the servers with a larger --n-ctx or lower the budget", where=f"request {i}: ")
 
+    def _on(self, role: str, path: str, body: dict) -> dict:
+        """A call to the prefill or decode server; its failure names the server (one line)."""
+        base = self.prefill_url if role == "prefill" else self.decode_url
+        try:
+            return _call(base + path, body, api_key=self.api_key)
+        except ServerError as error:
+            raise ServerError(f"the {role} server failed ({error})") from None
+
     def generate_one(self, req: Request) -> Completion:
         prompt = [int(t) for t in req.prompt_ids]
-        first = _call(self.prefill_url + "/completion", {
+        first = self._on("prefill", "/completion", {
             "prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "return_tokens": True,
-            **sampling_params(req)}, api_key=self.api_key)
+            **sampling_params(req)})
         if not first.get("tokens"):
             raise ServerError(f"{self.prefill_url}/completion returned no token: {str(first)[:200]}")
         token = int(first["tokens"][0])
         name = f"slimwise-{uuid.uuid4().hex}.bin"
         try:
-            _call(self.prefill_url + "/slots/0?action=save", {"filename": name}, api_key=self.api_key)
-            _call(self.decode_url + "/slots/0?action=restore", {"filename": name}, api_key=self.api_key)
+            self._on("prefill", "/slots/0?action=save", {"filename": name})
+            self._on("decode", "/slots/0?action=restore", {"filename": name})
         finally:
             (self.slot_dir / name).unlink(missing_ok=True)
         tokens = [token]
         if first.get("stop_type") == "eos" or first.get("stopping_word") or req.max_new_tokens == 1:
             end = "eos" if first.get("stop_type") == "eos" else "budget"
             return Completion(tokens=tokens, text=first.get("content", ""), end=end, first_token=token)
-        rest = _call(self.decode_url + "/completion", {
+        rest = self._on("decode", "/completion", {
             "prompt": prompt + [token], "n_predict": req.max_new_tokens - 1, "id_slot": 0, "cache_prompt": True,
-            "return_tokens": True, "stop": list(req.stop), **sampling_params(req)}, api_key=self.api_key)
+            "return_tokens": True, "stop": list(req.stop), **sampling_params(req)})
         evaluated = int(rest.get("timings", {}).get("prompt_n", -1))
         self.prompt_tokens_evaluated_on_decode.append(evaluated)
         if evaluated != 1:
