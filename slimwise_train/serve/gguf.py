@@ -229,9 +229,10 @@ def _check_convertible(folder: Path) -> None:
     except ValueError as error:
         raise ValueError(f"{folder}/config.json is not JSON ({error}): copy or export the checkpoint again") from None
     model_type = str(config.get("model_type", ""))
-    if config.get("auto_map") or model_type.startswith("slimwise_"):
-        raise ValueError(f"{folder} is a distilled export with a new shared expert (model_type {model_type!r}, "
-                         "distill.student.shared_expert_mode=new): its class is remote code, which llama.cpp's "
+    if config.get("auto_map"):  # a class of its own in the folder: the new-shared-expert student's export
+        raise ValueError(f"{folder} holds remote code (an auto_map in config.json, model_type {model_type!r}): a "
+                         "distilled export with a new shared expert (distill.student.shared_expert_mode=new) is a "
+                         "class of its own, which llama.cpp's "
                          "converter cannot read; distill with the default student (LoRA merged into the kept experts: "
                          "a stock class) to serve it in llama.cpp")
     from transformers import AutoConfig
