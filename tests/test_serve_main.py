@@ -57,7 +57,8 @@ def work(served, tmp_path_factory):
 def test_usage_errors_are_one_line_with_a_pointer_to_help(tmp_path):
     for args, flag in ((["generate", "--prefill", "x.gguf"], "--prompts"), (["generate", "--n-seq", "many"], "--n-seq"),
                        (["server", "--gguf", "x", "--port", "80.5", "--slot-dir", "s"], "--port"),
-                       (["nosuchcommand"], "nosuchcommand"), (["gguf", "folder", "--outfile", "x", "--bogus"], "--bogus")):
+                       (["nosuchcommand"], "nosuchcommand"),
+                       (["gguf", "folder", "--outfile", "x", "--bogus"], "--bogus")):
         proc = _cli(*args, cwd=tmp_path)
         line = _one_line(proc.stderr)
         assert proc.returncode == 2 and flag in line and "--help" in line and "usage:" not in line, line

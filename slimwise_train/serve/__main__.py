@@ -101,6 +101,10 @@ def _check_generation_flags(args) -> None:
     if any(stop == "" for stop in args.stop):
         raise ValueError("--stop '': an empty stop string would end every output at once; leave it out or name the "
                          "text to stop at")
+    _check_threads(args)
+
+
+def _check_threads(args) -> None:
     if getattr(args, "threads", None) is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads} (leave it out: the CPUs this process may use)")
 
@@ -290,8 +294,7 @@ def _up(args) -> int:
 
     if args.parallel < 1 or args.queue < 0 or args.ctx < 16:
         raise ValueError("--parallel must be >= 1, --queue >= 0 and --ctx >= 16")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads} (leave it out: the CPUs this process may use)")
+    _check_threads(args)
     if "*" in args.cors_origin:
         raise ValueError("--cors-origin '*' would let any web page call the endpoint: name the origins")
     _check_port(args.host, args.port)
@@ -507,8 +510,7 @@ def _server(args) -> int:
 
     if args.n_ctx < 16:
         raise ValueError(f"--n-ctx must be >= 16, got {args.n_ctx}")
-    if args.threads is not None and args.threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {args.threads} (leave it out: the CPUs this process may use)")
+    _check_threads(args)
     check_gguf_file(args.gguf, "--gguf")
     with GGUFModel(args.gguf, vocab_only=True):  # a file llama.cpp cannot load fails here, in one line
         pass
@@ -529,7 +531,7 @@ def _server(args) -> int:
 
 def _client(args) -> int:
     from slimwise_train.serve.llamacpp import GGUFModel, check_gguf_file
-    from slimwise_train.serve.server import DisaggregatedClient
+    from slimwise_train.serve.server import DisaggregatedClient, default_key_file
 
     _check_generation_flags(args)
     if not math.isfinite(args.wait) or args.wait < 0:
@@ -542,7 +544,8 @@ def _client(args) -> int:
     for flag, path in given.items():
         if path is not None:
             check_gguf_file(path, flag)
-    _check_output(args, {"--prompts": args.prompts, "--api-key-file": args.api_key_file, **given})
+    key_file = None if args.api_key else (args.api_key_file or str(default_key_file()))
+    _check_output(args, {"--prompts": args.prompts, "--api-key-file": key_file, **given})
     client = DisaggregatedClient(args.prefill_url, args.decode_url, args.slot_dir, args.prefill_gguf,
                                  args.decode_gguf, wait_s=args.wait, api_key=_client_key(args),
                                  allow_pruned_prefill=args.allow_pruned_prefill)
