@@ -175,11 +175,11 @@ def test_server_refuses_bad_input_before_creating_its_slot_folder_or_key(work, c
         cases = [([*base, "--port", port], f"--port {port} on 127.0.0.1: Address already in use"),
                  ([*base, "--port", "70000"], "--port 70000: use 1-65535"),
                  ([*base, "--port", "0"], "--port 0: use 1-65535"),
-                 (["server", "--gguf", str(work / "prompts.jsonl"), "--port", "8081", "--slot-dir", str(slots)],
+                 (["server", "--gguf", str(work / "prompts.jsonl"), *free, "--slot-dir", str(slots)],
                   "is not a GGUF file"),
-                 ([*base, "--port", "8081", "--threads", "0"], "--threads must be >= 1"),
-                 ([*base[:3], "--slot-dir", str(tmp_path / "a-file"), "--port", "8081"], "--slot-dir"),
-                 ([*base, "--port", "8081", "--api-key-file", str(work / "teacher.gguf")], "--gguf="),
+                 ([*base, *free, "--threads", "0"], "--threads must be >= 1"),
+                 ([*base[:3], "--slot-dir", str(tmp_path / "a-file"), *free], "--slot-dir"),
+                 ([*base, *free, "--api-key-file", str(work / "teacher.gguf")], "--gguf="),
                  (["up", "--prefill", str(work / "teacher.gguf"), "--port", port], f"--port {port}"),
                  (["up", "--prefill", str(work / "prompts.jsonl"), *free], "--prefill"),
                  (["up", "--prefill", str(work / "teacher.gguf"), "--api-key-file", str(work / "teacher.gguf"), *free],
@@ -195,7 +195,7 @@ def test_server_refuses_bad_input_before_creating_its_slot_folder_or_key(work, c
 
 def test_a_non_gguf_file_is_one_line_through_the_cli(work, tmp_path):
     """As the user sees it: no llama.cpp lines about the file, no slot folder."""
-    proc = _cli("server", "--gguf", str(work / "prompts.jsonl"), "--port", "8081", "--slot-dir", str(tmp_path / "s"),
-                env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
+    proc = _cli("server", "--gguf", str(work / "prompts.jsonl"), "--port", str(free_port()), "--slot-dir",
+                str(tmp_path / "s"), env={"XDG_CONFIG_HOME": str(tmp_path / "config")})
     assert proc.returncode == 2 and "is not a GGUF file" in _one_line(proc.stderr)
     assert list(tmp_path.iterdir()) == []
