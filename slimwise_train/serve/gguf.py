@@ -39,7 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from slimwise_train.utils.atomic import atomic_path, pid_alive, remove_stale_temporaries
+from slimwise_train.utils.atomic import atomic_path, owner_tag, pid_alive, remove_stale_temporaries
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 FORMAT = "slimwise-gguf/1"
@@ -282,18 +282,11 @@ def _check_pre_tokenizer(name: str) -> None:
 STAGING_PREFIX = "slimwise-gguf-"
 
 
-def _owner() -> str:
-    """`<host>.<pid>`: the staging folder's name says whose it is, so a later run can tell a dead owner's."""
-    import socket
-
-    return f"{socket.gethostname().split('.')[0] or 'host'}.{os.getpid()}"
-
-
 def remove_leftovers(outfile: Path) -> list[str]:
     """What conversions killed outright (kill -9) left behind: their temporary GGUF beside `outfile` and their staging
     folders, those of processes of this host that no longer run (a live conversion's are left alone)."""
     removed = remove_stale_temporaries(outfile)
-    host = _owner().split(".")[0]
+    host = owner_tag().split(".")[0]
     pattern = re.compile(re.escape(STAGING_PREFIX) + re.escape(host) + r"\.(\d+)-.*")
     for folder in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}{host}.*"):
         match = pattern.fullmatch(folder.name)
@@ -426,7 +419,7 @@ def convert(
         log(f"gguf: removed what a killed conversion left: {', '.join(removed)}")
 
     with _output(outfile, overwrite) as tmp_out, \
-            tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{_owner()}-") as tmp:
+            tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{owner_tag()}-") as tmp:
         staging = Path(tmp) / folder.name
         staging.mkdir()
         pre, rewritten = _stage(folder, staging, pre_tokenizer)

@@ -20,7 +20,7 @@ def current_umask() -> int:
     return umask
 
 
-def _owner_tag() -> str:
+def owner_tag() -> str:
     """`<host>.<pid>` of this process, as temporaries name their writer (the host's first label: no dots)."""
     return f"{socket.gethostname().split('.')[0] or 'host'}.{os.getpid()}"
 
@@ -40,7 +40,7 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
     cut): those whose name records this host and a process that no longer runs. A live writer's (or another
     host's) are left alone, so this is safe without a lock. Returns the names removed."""
     path = Path(path)
-    host = _owner_tag().split(".")[0]
+    host = owner_tag().split(".")[0]
     pattern = re.compile(re.escape(f".{path.name}.") + r"(?P<host>[^.]+)\.(?P<pid>\d+)\.[^.]*\.tmp")
     removed = []
     if not path.parent.is_dir():
@@ -64,7 +64,7 @@ def atomic_path(path: str | os.PathLike, replace: bool = True) -> Iterator[Path]
     then: of two writers of one new path exactly one succeeds, the other's result is not published."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_owner_tag()}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{owner_tag()}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
     try:
