@@ -43,3 +43,14 @@ def test_bench_serve_reports_guidellm_runs_ratios_bounds_and_targets(tmp_path):
     assert teacher["target_per_user_tok_s"] > 0 and set(result["targets_met"]) == {
         "errored_requests", "bound_holds", "slimwise_0.5_not_slower"}
     assert list(tmp_path.iterdir()) == []  # GGUF files and GuideLLM's reports went with the run
+
+
+@pytest.mark.subprocess
+def test_bench_serve_flags_out_of_range_are_one_line_before_any_work(tmp_path):
+    for args, message in ((["--threads", "0"], "--threads must be >= 1"), (["--rounds", "x"], "--rounds"),
+                          (["--work-dir", str(tmp_path / "none")], "--work-dir")):
+        proc = subprocess.run([sys.executable, "-m", "slimwise_train.bench", "serve", *args], env=CHILD_ENV,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []

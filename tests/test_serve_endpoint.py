@@ -357,7 +357,9 @@ def test_prompt_longer_than_the_context_is_a_400_naming_the_limit(endpoint):
 def test_bad_requests_are_400_in_one_line(endpoint):
     cases = [({"prompt": "x", "n": 2}, "n=2 is not supported"), ({"prompt": "x", "model": "gpt-4"}, "'gpt-4' is not served"),
              ({"prompt": 3}, "prompt must be"), ({"prompt": "x", "temperature": -1}, "temperature must be in"),
-             ({"prompt": "x", "max_tokens": 0}, "max_tokens must be in"), ({"prompt": "x", "logprobs": 2}, "logprobs")]
+             ({"prompt": "x", "max_tokens": 0}, "max_tokens must be in"), ({"prompt": "x", "logprobs": 2}, "logprobs"),
+             ({"prompt": [5, 99999]}, "token id 99999 is not in the vocabulary"),
+             ({"prompt": [[5], [-1]]}, "token id -1 is not in the vocabulary")]
     for body, message in cases:
         response = httpx.post(endpoint.url + "/v1/completions", json=body, headers=endpoint.headers(), timeout=30)
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text

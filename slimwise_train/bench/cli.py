@@ -61,8 +61,10 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m slimwise_train.bench", description=USAGE,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from slimwise_train.utils.cli import OneLineParser
+
+    parser = OneLineParser(prog="python -m slimwise_train.bench", description=USAGE,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="name", required=True)
     calib = sub.add_parser("calib", help="statistics collection vs plain no-grad forward")
     _model_args(calib)

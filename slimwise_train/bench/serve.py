@@ -270,12 +270,6 @@ def run_serve_bench(args) -> dict:
 
 
 def _run(args) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from slimwise_train.bench.common import bench_model
-    from slimwise_train.serve.llamacpp import llama_cpp_home
-
     def log(message):
         print(message, file=sys.stderr, flush=True)
 
@@ -291,6 +285,20 @@ def _run(args) -> dict:
         raise ValueError(f"--models {args.models!r}: use teacher and/or bench")
     if not 0 < args.target_fraction <= 1:
         raise ValueError(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
+    if args.target_tok_s is not None and not 0 < args.target_tok_s < float("inf"):
+        raise ValueError(f"--target-tok-s must be a number of tokens/s > 0, got {args.target_tok_s}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads} (leave it out: half the CPUs this process may "
+                         "use)")
+    if args.work_dir is not None and not Path(args.work_dir).is_dir():
+        raise ValueError(f"--work-dir {args.work_dir}: no such folder (the run's files go in a temporary folder "
+                         "inside it)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from slimwise_train.bench.common import bench_model
+    from slimwise_train.serve.llamacpp import llama_cpp_home
+
     threads = args.threads or max(1, len(os.sched_getaffinity(0)) // 2)
     tokenizer = AutoTokenizer.from_pretrained(TEACHER)
     results = {}

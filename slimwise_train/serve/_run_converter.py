@@ -41,7 +41,7 @@ def main(argv: list[str]) -> None:
             return original_pre(self, tokenizer)
         except NotImplementedError:
             sys.stderr.write("llama.cpp does not recognise this tokenizer's pre-tokenizer: pass --pre-tokenizer NAME "
-                             "(a llama.cpp pre-tokenizer such as default, gpt2, llama3, qwen2; see docs/serving.md); "
+                             "(a llama.cpp pre-tokenizer such as default, gpt-2, llama3, qwen2; see docs/serving.md); "
                              "the conversion then checks the tokenization against transformers\n")
             sys.exit(UNRECOGNISED_EXIT)
 

@@ -36,8 +36,8 @@ from typing import AsyncIterator
 
 import httpx
 
-from slimwise_train.serve.engine import (BackendFailed, Delta, PromptTooLong, Request, RequestTiming,
-                                         check_cache_compatible)
+from slimwise_train.serve.engine import (BackendFailed, Delta, Request, RequestTiming, check_cache_compatible,
+                                         check_fits, check_roles, same_file_content)
 from slimwise_train.serve.server import LlamaServer, ServerError, ServerSpec, free_port, new_api_key, sampling_params
 
 END_OF = {"eos": "eos", "word": "stop", "limit": "budget"}  # llama-server's stop_type -> ours
@@ -129,27 +129,37 @@ class LlamaCppEngine:
     def __init__(self, prefill_gguf: str | os.PathLike, decode_gguf: str | os.PathLike | None = None, *,
                  parallel: int = 4, n_ctx: int = 2048, threads: int | None = None, kv_type: str = "f16",
                  chat_template_file: str | os.PathLike | None = None, log_dir: str | os.PathLike | None = None,
-                 startup_timeout: float = 120.0, log=None):
-        from slimwise_train.serve.llamacpp import GGUFModel
+                 startup_timeout: float = 120.0, log=None, allow_pruned_prefill: bool = False):
+        from slimwise_train.serve.llamacpp import GGUFModel, check_gguf_file
+        from slimwise_train.utils.rundir import check_outputs_spare_inputs
 
         self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
-        self.prefill_gguf = Path(prefill_gguf)
-        self.decode_gguf = Path(decode_gguf) if decode_gguf is not None else None
-        for flag, path in (("--prefill", self.prefill_gguf), ("--decode", self.decode_gguf)):
-            if path is not None and not path.is_file():
-                raise FileNotFoundError(f"{flag} {path}: no such file")
+        self.prefill_gguf = check_gguf_file(prefill_gguf, "--prefill")
+        self.decode_gguf = check_gguf_file(decode_gguf, "--decode") if decode_gguf is not None else None
         if parallel < 1 or n_ctx < 16:
             raise ValueError(f"--parallel must be >= 1 and --ctx >= 16, got {parallel} and {n_ctx}")
         if chat_template_file is not None and not Path(chat_template_file).is_file():
             raise FileNotFoundError(f"--chat-template-file {chat_template_file}: no such file")
+        if log_dir is not None:
+            if Path(log_dir).exists() and not Path(log_dir).is_dir():
+                raise ValueError(f"--log-dir {log_dir} is a file: pass a folder (made when missing)")
+            check_outputs_spare_inputs({f"--log-dir ({role} log)": Path(log_dir) / f"{role}-llama-server.log"
+                                        for role in ("prefill", "decode")},
+                                       {"--prefill": prefill_gguf, "--decode": decode_gguf,
+                                        "--chat-template-file": chat_template_file}, fix="choose another --log-dir")
         metas = {}
         for role, path in (("prefill", self.prefill_gguf), ("decode", self.decode_gguf)):
             if path is not None:
                 with GGUFModel(path, vocab_only=True) as model:
                     metas[role] = model.metadata()
                     n_ctx_train = model.n_ctx_train
+                    self.n_vocab = model.n_vocab
         if self.decode_gguf is not None:  # refused before anything starts
             check_cache_compatible(metas["prefill"], metas["decode"], self.prefill_gguf.name, self.decode_gguf.name)
+            if metas["prefill"].get("slimwise.role", "full") != "full":
+                check_roles(metas["prefill"], metas["decode"], f"--prefill {self.prefill_gguf.name}",
+                            f"--decode {self.decode_gguf.name}",
+                            same_file_content(self.prefill_gguf, self.decode_gguf), allow_pruned_prefill)
         self.model_name = (self.decode_gguf or self.prefill_gguf).stem
         self.n_ctx = n_ctx
         self.n_ctx_train = n_ctx_train
@@ -291,10 +301,8 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------------------------------ generation
     def _check_fits(self, prompt_len: int, budget: int) -> None:
-        if prompt_len + budget > self.n_ctx:
-            raise PromptTooLong(f"prompt of {prompt_len} tokens + max_tokens {budget} exceeds this endpoint's context "
-                                f"of {self.n_ctx} tokens per request (serve up --ctx; the model was trained on "
-                                f"{self.n_ctx_train})")
+        check_fits(prompt_len, budget, self.n_ctx, f"lower max_tokens, or start `serve up` with a larger --ctx (the "
+                   f"model was trained on {self.n_ctx_train})")
 
     async def prompt_length(self, request: Request) -> int:
         return (await self._prompt(request))[1]
@@ -302,6 +310,9 @@ class LlamaCppEngine:
     async def _prompt(self, request: Request) -> tuple[list[int] | str, int]:
         """What the engine sends as the prompt (token ids, or the rendered chat text) and its length in tokens."""
         if request.chat is None:
+            bad = next((t for t in request.prompt_ids if not 0 <= t < self.n_vocab), None)
+            if bad is not None:
+                raise ValueError(f"prompt token id {bad} is not in the vocabulary (0..{self.n_vocab - 1})")
             return list(request.prompt_ids), len(request.prompt_ids)
         text = await self.chat_prompt(request.chat)
         backend = self.backends["prefill"]

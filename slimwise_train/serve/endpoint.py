@@ -31,7 +31,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from slimwise_train.serve.engine import BackendFailed, Overloaded, PromptTooLong, Request, RequestTiming, ServingEngine
+from slimwise_train.serve.engine import (BackendFailed, Overloaded, PromptTooLong, Request, RequestTiming, ServingEngine,
+                                         check_fits)
 
 FINISH = {"eos": "stop", "stop": "stop", "budget": "length", "tool_calls": "tool_calls"}
 # OpenAI parameters this endpoint cannot honour: refused unless they hold their default value
@@ -255,9 +256,8 @@ def build_app(engine: ServingEngine, settings: EndpointSettings, log=print, mana
             raise BadRequest("the prompt is empty")
         if request.max_new_tokens is None:
             request.max_new_tokens = max(engine.n_ctx - prompt_len, 1)
-        if prompt_len + request.max_new_tokens > engine.n_ctx:
-            raise PromptTooLong(f"prompt of {prompt_len} tokens + max_tokens {request.max_new_tokens} exceeds this "
-                                f"endpoint's context of {engine.n_ctx} tokens per request (serve up --ctx)")
+        check_fits(prompt_len, request.max_new_tokens, engine.n_ctx,
+                   "lower max_tokens, or start `serve up` with a larger --ctx")
         return request
 
     def finished(route: str, timing: RequestTiming, outcome: str = "ok") -> None:

@@ -14,10 +14,14 @@ Errors an engine raises, and what the endpoint answers:
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import AsyncIterator, Protocol, Sequence, runtime_checkable
 
 FINGERPRINT = "slimwise.cache_fingerprint"
+ROLE = "slimwise.role"  # full | pruned | distilled, written by `serve gguf`
 END_REASONS = ("eos", "stop", "budget")
 
 
@@ -69,6 +73,46 @@ def check_cache_compatible(prefill_meta: dict[str, str], decode_meta: dict[str, 
         raise CacheMismatch(f"{decode_name} cannot decode on {prefill_name}'s cache: its attention weights differ "
                             f"({FINGERPRINT} {decode_meta[FINGERPRINT][:12]}... vs {prefill_meta[FINGERPRINT][:12]}...); "
                             "pair a teacher with its own pruned or distilled checkpoint")
+
+
+def same_file_content(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two model files hold the same bytes: one file (another spelling of its path, a hard link), or equal
+    sizes and equal SHA-256 (read only when the sizes agree), so a copy at another path is the same model."""
+    a, b = Path(a), Path(b)
+    if os.path.samefile(a, b):
+        return True
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    digests = []
+    for path in (a, b):
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+        digests.append(digest.digest())
+    return digests[0] == digests[1]
+
+
+def check_roles(prefill_meta: dict[str, str], decode_meta: dict[str, str], prefill_name: str, decode_name: str,
+                same_model: bool, allow_pruned_prefill: bool = False) -> None:
+    """The full model prefills: a pair whose prefill model is a pruned or distilled one (the roles reversed, as
+    `slimwise.role` records them) is refused in one line, unless both files hold one model (conventional pruning:
+    a pruned model alone) or `allow_pruned_prefill` asks for it."""
+    role = prefill_meta.get(ROLE)
+    if allow_pruned_prefill or same_model or role in (None, "full"):
+        return
+    raise ValueError(f"{prefill_name} is a {role} model ({ROLE}) and would prefill for {decode_name} (a "
+                     f"{decode_meta.get(ROLE, 'unlabelled')} model): the full model prefills and the pruned one "
+                     "decodes; swap the two, or pass --allow-pruned-prefill to run it this way")
+
+
+def check_fits(prompt_len: int, budget: int, n_ctx: int, fix: str, where: str = "") -> None:
+    """The one rule of every engine: a request's prompt and budget (its first token included) fit the context of a
+    request, else PromptTooLong naming the limit and `fix` (not a generation cut short at the context's end and
+    reported as "budget")."""
+    if prompt_len + budget > n_ctx:
+        raise PromptTooLong(f"{where}prompt of {prompt_len} tokens + a budget of {budget} exceeds the context of "
+                            f"{n_ctx} tokens per request; {fix}")
 
 
 @dataclass

@@ -18,22 +18,28 @@ What this module adds around the converter, and why:
   the weights that write the KV cache and that pruning and distillation never change (token embeddings and the
   attention projections, not norms), as float32 values so the storage dtype and the GGUF type do not matter.
 
-Writes are atomic: the GGUF appears complete under its name or not at all.
+Writes are atomic: the GGUF appears complete under its name or not at all, and never over a file that appeared
+meanwhile unless `overwrite`. Everything that can be checked before the conversion is (the folder is a supported
+MoE checkpoint with intact weight files, the outfile is writable, new and none of the inputs), each a one-line
+error; the converter runs as a child that dies with this process, and a later conversion removes what a killed one
+left (its temporary GGUF beside the outfile, its staging folder).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
-from slimwise_train.utils.atomic import atomic_path
+from slimwise_train.utils.atomic import atomic_path, owner_tag, pid_alive, remove_stale_temporaries
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 FORMAT = "slimwise-gguf/1"
@@ -215,6 +221,171 @@ def _role(folder: Path) -> str:
     return "pruned" if (folder / "slimwise_keep_set.json").is_file() else "full"
 
 
+# ------------------------------------------------------------------------------------------------ checks before work
+def _bad_weights(path: Path, why: str) -> ValueError:
+    return ValueError(f"{path} is truncated or corrupt ({why}): copy or export the checkpoint again")
+
+
+def _check_safetensors(path: Path) -> None:
+    """The file holds the whole of what its header lists (a truncated copy does not): read from the header alone."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise _bad_weights(path, f"{size} bytes, shorter than a safetensors header")
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            raise _bad_weights(path, f"its header claims {length} bytes, the file holds {size}")
+        try:
+            header = json.loads(handle.read(length))
+            end = max((int(entry["data_offsets"][1]) for key, entry in header.items() if key != "__metadata__"),
+                      default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            raise _bad_weights(path, "its header is not a safetensors header") from None
+    if 8 + length + end != size:
+        raise _bad_weights(path, f"{size} bytes where its header lists {8 + length + end}")
+
+
+def _check_weight_files(folder: Path) -> None:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise _bad_weights(index, "not a weight map") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ValueError(f"{folder} lacks {missing[0]} (listed in {index.name}): copy or export the checkpoint "
+                             "again")
+    files = _safetensors_files(folder)
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors weights: save the model with save_pretrained (the project's "
+                         "apps do)")
+    for path in files:
+        _check_safetensors(path)
+
+
+def _check_convertible(folder: Path) -> None:
+    """One line, before any work, for a folder this conversion cannot serve: a distilled export with a remote-code
+    class, a model that is not a supported MoE, weight files missing or truncated."""
+    from slimwise_train.moe.adapters import SUPPORTED_FAMILIES, get_adapter
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except ValueError as error:
+        raise ValueError(f"{folder}/config.json is not JSON ({error}): copy or export the checkpoint again") from None
+    model_type = str(config.get("model_type", ""))
+    if config.get("auto_map"):  # a class of its own in the folder: the new-shared-expert student's export
+        raise ValueError(f"{folder} holds remote code (an auto_map in config.json, model_type {model_type!r}): a "
+                         "distilled export with a new shared expert (distill.student.shared_expert_mode=new) is a "
+                         "class of its own, which llama.cpp's "
+                         "converter cannot read; distill with the default student (LoRA merged into the kept experts: "
+                         "a stock class) to serve it in llama.cpp")
+    from transformers import AutoConfig
+
+    try:
+        get_adapter(AutoConfig.from_pretrained(folder))
+    except (ValueError, KeyError, OSError):
+        raise ValueError(f"{folder} is not an MoE model of a supported family (model_type {model_type!r}): `serve "
+                         "gguf` converts a teacher, prune's export/ or a distilled export/ of "
+                         f"{', '.join(SUPPORTED_FAMILIES)}") from None
+    _check_weight_files(folder)
+
+
+def _check_outfile(outfile: Path, folder: Path, overwrite: bool) -> None:
+    """The outfile is a file name in an existing, writable folder, new unless `overwrite`, and never one of the
+    folder's files (followed through links: the staging copy links to them)."""
+    if outfile.is_dir():
+        raise ValueError(f"--outfile {outfile} is a folder: name the .gguf file to write")
+    if not outfile.parent.is_dir():
+        raise ValueError(f"the folder of --outfile does not exist: {outfile.parent}")
+    try:
+        with tempfile.TemporaryFile(dir=outfile.parent):  # nothing left behind, whatever happens next
+            pass
+    except OSError as error:
+        raise ValueError(f"the folder of --outfile {outfile.parent} is not writable ({error.strerror}): choose "
+                         "another --outfile") from None
+    if outfile.exists():
+        inputs = [item for item in folder.iterdir() if item.exists()]
+        same = next((item for item in inputs if os.path.samefile(item, outfile)), None)
+        if same is not None:
+            raise ValueError(f"--outfile {outfile} is {same.name} of {folder} (the same file), an input of this "
+                             "conversion: it would replace it; choose another --outfile")
+        if not overwrite:
+            raise ValueError(f"{outfile} exists: pass --overwrite or another --outfile")
+
+
+def _check_pre_tokenizer(name: str) -> None:
+    from slimwise_train.serve.llamacpp import pre_tokenizer_names
+
+    names = pre_tokenizer_names()
+    if name not in names:
+        raise ValueError(f"--pre-tokenizer {name!r} is not a pre-tokenizer this llama.cpp knows; use one of: "
+                         f"{', '.join(names)}")
+
+
+# ------------------------------------------------------------------------------------------------ process handling
+STAGING_PREFIX = "slimwise-gguf-"
+
+
+def remove_leftovers(outfile: Path) -> list[str]:
+    """What conversions killed outright (kill -9) left behind: their temporary GGUF beside `outfile` and their staging
+    folders, those of processes of this host that no longer run (a live conversion's are left alone)."""
+    removed = remove_stale_temporaries(outfile)
+    host = owner_tag().split(".")[0]
+    pattern = re.compile(re.escape(STAGING_PREFIX) + re.escape(host) + r"\.(\d+)-.*")
+    for folder in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}{host}.*"):
+        match = pattern.fullmatch(folder.name)
+        if match and folder.is_dir() and not pid_alive(int(match.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    return removed
+
+
+@contextlib.contextmanager
+def _output(outfile: Path, overwrite: bool) -> Iterator[Path]:
+    """The temporary the GGUF is written to (`.<name>.<host>.<pid>.<random>.tmp`), published as `outfile` when the
+    block succeeds: replacing it only with `overwrite`; a file another run published there
+    meanwhile is kept and this run's result is refused (FileExistsError)."""
+    try:
+        with atomic_path(outfile, replace=overwrite) as tmp:
+            yield tmp
+    except FileExistsError:
+        if not outfile.exists():
+            raise
+        raise FileExistsError(f"{outfile} was written by another run while this one converted: that file is kept "
+                              "and this conversion is not written (pass --overwrite to replace it)") from None
+
+
+def _run_converter(command: list[str]) -> subprocess.CompletedProcess:
+    """The converter as a child in its own session that dies with this process (a kill -9 of this one leaves no
+    orphan writing a GGUF); stopped and reaped when this process stops waiting for it (Ctrl-C)."""
+    from slimwise_train.serve.server import die_with_parent
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=die_with_parent)
+    try:
+        out, err = proc.communicate()
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _converter_failure(folder: Path, proc: subprocess.CompletedProcess) -> RuntimeError:
+    """One line from the converter's output (its last line: the exception it stopped on); all of it with
+    SLIMWISE_LLAMA_CPP_VERBOSE=1."""
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    if os.environ.get("SLIMWISE_LLAMA_CPP_VERBOSE") == "1":
+        sys.stderr.write(proc.stderr)
+        hint = ""
+    else:
+        hint = " (SLIMWISE_LLAMA_CPP_VERBOSE=1 shows its whole output)"
+    last = lines[-1].strip() if lines else "no output"
+    return RuntimeError(f"llama.cpp's converter failed on {folder} (exit {proc.returncode}): {last[:300]}{hint}")
+
+
 # ------------------------------------------------------------------------------------------------ conversion
 def _stage(folder: Path, staging: Path, pre_tokenizer: str | None) -> tuple[str | None, bool]:
     """Symlink `folder` into `staging`, rewriting tokenizer.json to byte level where needed. Returns (the
@@ -275,11 +446,18 @@ def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLik
     special-token text parsed by both)."""
     from transformers import AutoTokenizer
 
+    equal, _, _ = tokenization_report(gguf_file, AutoTokenizer.from_pretrained(hf_folder), texts)
+    return equal, len(texts)
+
+
+def tokenization_report(gguf_file: str | os.PathLike, tokenizer, texts: Sequence[str],
+                        marked: Sequence[str] = ()) -> tuple[int, int, dict]:
+    """(texts equal, texts with combining marks equal, the GGUF's metadata): `check_tokenization` against a loaded
+    tokenizer, and what `convert` logs of the vocabulary llama.cpp wrote."""
     from slimwise_train.serve.llamacpp import GGUFModel
 
-    hf = AutoTokenizer.from_pretrained(hf_folder)
     with GGUFModel(gguf_file, vocab_only=True) as model:
-        return _equal(model, hf, texts), len(texts)
+        return _equal(model, tokenizer, texts), _equal(model, tokenizer, marked), model.metadata()
 
 
 def convert(
@@ -300,7 +478,7 @@ def convert(
     """
     from transformers import AutoTokenizer
 
-    from slimwise_train.serve.llamacpp import GGUFModel, source_dir
+    from slimwise_train.serve.llamacpp import source_dir
 
     folder, outfile = Path(folder), Path(outfile)
     if outtype not in OUTTYPES:
@@ -308,15 +486,17 @@ def convert(
     if not (folder / "config.json").is_file():
         raise ValueError(f"{folder} is not an HF checkpoint folder (no config.json): pass the folder save_pretrained "
                          "wrote (a teacher, prune's export/ or a distilled export/)")
-    if outfile.exists() and not overwrite:
-        raise ValueError(f"{outfile} exists: pass --overwrite or another --outfile")
-    if not outfile.parent.is_dir():
-        raise ValueError(f"the folder of --outfile does not exist: {outfile.parent}")
-    if pre_tokenizer is not None and not re.fullmatch(r"[a-z0-9._-]+", pre_tokenizer):
-        raise ValueError(f"--pre-tokenizer {pre_tokenizer!r} is not a llama.cpp pre-tokenizer name (e.g. default, llama3)")
+    _check_outfile(outfile, folder, overwrite)
+    if pre_tokenizer is not None:
+        _check_pre_tokenizer(pre_tokenizer)
+    _check_convertible(folder)
     source = source_dir()
+    removed = remove_leftovers(outfile)
+    if removed:
+        log(f"gguf: removed what a killed conversion left: {', '.join(removed)}")
 
-    with tempfile.TemporaryDirectory(prefix="slimwise-gguf-") as tmp:
+    with _output(outfile, overwrite) as tmp_out, \
+            tempfile.TemporaryDirectory(prefix=f"{STAGING_PREFIX}{owner_tag()}-") as tmp:
         staging = Path(tmp) / folder.name
         staging.mkdir()
         pre, rewritten = _stage(folder, staging, pre_tokenizer)
@@ -339,35 +519,35 @@ def convert(
         }
         log(f"gguf: {folder} -> {outfile} ({outtype}, role {metadata['slimwise.role']}, "
             f"pre-tokenizer {pre or 'chosen by llama.cpp'})")
-        with atomic_path(outfile) as tmp_out:
-            command = [sys.executable, "-m", "slimwise_train.serve._run_converter", "--source", str(source),
-                       "--metadata-json", json.dumps(metadata), "--pre-tokenizer", pre or "",
-                       "--", str(staging), "--outfile", str(tmp_out), "--outtype", outtype]
-            proc = subprocess.run(command, capture_output=True, text=True)
-            if proc.returncode == UNRECOGNISED_EXIT:
-                raise ValueError(proc.stderr.strip().splitlines()[-1])
-            if proc.returncode != 0:
-                raise RuntimeError(f"llama.cpp's converter failed on {folder} (exit {proc.returncode}):\n"
-                                   + "\n".join(proc.stderr.strip().splitlines()[-15:]))
-            with GGUFModel(tmp_out, vocab_only=True) as model:
-                equal, total = _equal(model, tokenizer, texts), len(texts)
-                marked_equal = _equal(model, tokenizer, marked)
-                meta = model.metadata()
-            if equal != total:
-                raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} check texts differently "
-                                   f"from transformers (pre-tokenizer {pre!r}): not written; try another "
-                                   "--pre-tokenizer")
-            vocabulary, named = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-            how = ("as given" if pre else "recognised from the tokenizer") if named else "set by the vocabulary type"
-            log(f"gguf: tokenization equal to transformers on {equal}/{total} check texts (llama.cpp vocabulary "
-                f"{vocabulary}, pre-tokenizer {named or vocabulary} {how})")
-            equal, total = marked_equal, len(marked)
-            if equal != total and named not in MARKS_OUTSIDE_WORDS:
-                raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} texts with combining "
-                                   f"marks differently from transformers (pre-tokenizer {named!r}): not written; try "
-                                   "another --pre-tokenizer")
-            if total:
-                log(f"gguf: and on {equal}/{total} texts with combining marks" + ("" if equal == total else
-                    f": llama.cpp's {named} pre-tokenizer splits words at combining marks where this tokenizer does "
-                    "not (not refused: the real model has the same difference in llama.cpp; check your languages)"))
+        command = [sys.executable, "-m", "slimwise_train.serve._run_converter", "--source", str(source),
+                   "--metadata-json", json.dumps(metadata), "--pre-tokenizer", pre or "",
+                   "--", str(staging), "--outfile", str(tmp_out), "--outtype", outtype]
+        proc = _run_converter(command)
+        if proc.returncode == UNRECOGNISED_EXIT:
+            from slimwise_train.serve.llamacpp import pre_tokenizer_names
+
+            raise ValueError(f"llama.cpp does not recognise the pre-tokenizer of {folder}/tokenizer.json: pass "
+                             f"--pre-tokenizer NAME, one of this llama.cpp's: {', '.join(pre_tokenizer_names())} "
+                             "(the tokenization is then checked against transformers)")
+        if proc.returncode != 0:
+            raise _converter_failure(folder, proc)
+        equal, marked_equal, meta = tokenization_report(tmp_out, tokenizer, texts, marked)
+        total = len(texts)
+        if equal != total:
+            raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} check texts differently "
+                               f"from transformers (pre-tokenizer {pre!r}): not written; try another "
+                               "--pre-tokenizer")
+        vocabulary, named = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+        how = ("as given" if pre else "recognised from the tokenizer") if named else "set by the vocabulary type"
+        log(f"gguf: tokenization equal to transformers on {equal}/{total} check texts (llama.cpp vocabulary "
+            f"{vocabulary}, pre-tokenizer {named or vocabulary} {how})")
+        equal, total = marked_equal, len(marked)
+        if equal != total and named not in MARKS_OUTSIDE_WORDS:
+            raise RuntimeError(f"the GGUF of {folder} tokenizes {total - equal} of {total} texts with combining "
+                               f"marks differently from transformers (pre-tokenizer {named!r}): not written; try "
+                               "another --pre-tokenizer")
+        if total:
+            log(f"gguf: and on {equal}/{total} texts with combining marks" + ("" if equal == total else
+                f": llama.cpp's {named} pre-tokenizer splits words at combining marks where this tokenizer does "
+                "not (not refused: the real model has the same difference in llama.cpp; check your languages)"))
     return outfile

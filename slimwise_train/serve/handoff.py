@@ -16,22 +16,23 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from slimwise_train.serve.engine import (CacheMismatch, Completion, HandoffStats, Request,  # noqa: F401 (re-exported)
-                                         check_cache_compatible)
+                                         check_cache_compatible, check_fits, check_roles, same_file_content)
 from slimwise_train.serve.llamacpp import Context, ContextSettings, GGUFModel, Sampler
 
 
 class EngineHandoff:
     """Full-prefill -> pruned-decode over llama.cpp contexts. `decode_gguf=None` (or the same file) runs one model
-    in both phases: the full baseline, or a pruned model alone (conventional pruning)."""
+    in both phases: the full baseline, or a pruned model alone (conventional pruning). A pruned or distilled model
+    prefilling for another is refused unless `allow_pruned_prefill` (`check_roles`)."""
 
     def __init__(self, prefill_gguf: str | os.PathLike, decode_gguf: str | os.PathLike | None = None, *,
                  n_seq: int = 16, n_ctx_per_seq: int | None = None, n_batch: int = 512, kv_type: str = "f16",
-                 threads: int | None = None):
+                 threads: int | None = None, allow_pruned_prefill: bool = False):
         """`n_ctx_per_seq` None: the model's training context, at most 4096 (prompt + budget must fit)."""
         if n_seq < 1 or (n_ctx_per_seq is not None and n_ctx_per_seq < 8):
             raise ValueError(f"n_seq must be >= 1 and n_ctx_per_seq >= 8, got {n_seq} and {n_ctx_per_seq}")
@@ -41,8 +42,11 @@ class EngineHandoff:
         same = decode_gguf is None or os.path.realpath(decode_gguf) == os.path.realpath(prefill_gguf)
         self.decode_model = self.prefill_model if same else GGUFModel(decode_gguf)
         if not same:
-            check_cache_compatible(self.prefill_model.metadata(), self.decode_model.metadata(),
-                                   os.path.basename(prefill_gguf), os.path.basename(decode_gguf))
+            metas = self.prefill_model.metadata(), self.decode_model.metadata()
+            names = os.path.basename(prefill_gguf), os.path.basename(decode_gguf)
+            check_cache_compatible(*metas, *names)
+            if metas[0].get("slimwise.role", "full") != "full":  # a copy of one file is still that model
+                check_roles(*metas, *names, same_file_content(prefill_gguf, decode_gguf), allow_pruned_prefill)
         settings = ContextSettings(n_seq=n_seq, n_ctx_per_seq=n_ctx_per_seq, n_batch=n_batch, kv_type=kv_type,
                                    threads=threads)
         self.settings = settings
@@ -62,8 +66,8 @@ class EngineHandoff:
         self.close()
 
     # ------------------------------------------------------------------------------------------ generation
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        """Completions in request order, waves of `n_seq` requests."""
+    def check(self, requests: Sequence[Request]) -> None:
+        """Every request servable here (ValueError naming the request otherwise), before any is generated."""
         for i, req in enumerate(requests):
             if req.max_new_tokens < 1:
                 raise ValueError(f"request {i}: max_new_tokens must be >= 1, got {req.max_new_tokens}")
@@ -71,14 +75,19 @@ class EngineHandoff:
                 raise ValueError(f"request {i}: empty prompt")
             if req.ignore_eos or req.chat is not None:
                 raise ValueError(f"request {i}: ignore_eos and chat requests are served by `serve up`, not here")
-            if len(req.prompt_ids) + req.max_new_tokens > self.settings.n_ctx_per_seq:
-                raise ValueError(f"request {i}: prompt {len(req.prompt_ids)} + max_new_tokens {req.max_new_tokens} "
-                                 f"exceeds n_ctx_per_seq={self.settings.n_ctx_per_seq}; raise --n-ctx")
-        out: list[Completion] = []
+            check_fits(len(req.prompt_ids), req.max_new_tokens, self.settings.n_ctx_per_seq,
+                       "raise --n-ctx or lower the budget", where=f"request {i}: ")
+
+    def waves(self, requests: Sequence[Request]) -> Iterator[list[Completion]]:
+        """The completions of each wave of `n_seq` requests in turn, as each finishes (after `check`)."""
+        self.check(requests)
         n = self.settings.n_seq
         for start in range(0, len(requests), n):
-            out += self._wave(list(requests[start:start + n]))
-        return out
+            yield self._wave(list(requests[start:start + n]))
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Completions in request order, waves of `n_seq` requests."""
+        return [completion for wave in self.waves(requests) for completion in wave]
 
     def _pick(self, ctx: Context, seq: int, sampler: Sampler | None) -> int:
         if sampler is None:

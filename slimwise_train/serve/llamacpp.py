@@ -59,6 +59,35 @@ def source_dir() -> Path:
     return found[-1]
 
 
+def check_gguf_file(path: str | os.PathLike, flag: str) -> Path:
+    """`path` as a GGUF file, or a one-line ValueError naming `flag` (no such file, a folder, not a GGUF file), before
+    llama.cpp, which would print its own lines about it, sees it."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder: pass the .gguf file (`python -m slimwise_train.serve gguf "
+                         "<folder> --outfile <file>` makes one)")
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot be read ({error.strerror})") from None
+    if magic != b"GGUF":
+        raise ValueError(f"{flag} {path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'): convert the "
+                         "checkpoint with `python -m slimwise_train.serve gguf`")
+    return path
+
+
+def pre_tokenizer_names() -> tuple[str, ...]:
+    """The pre-tokenizer names this llama.cpp build loads (`tokenizer.ggml.pre`), read from its own source
+    (src/llama-vocab.cpp), in its order; a GGUF with another name does not load."""
+    import re
+
+    text = (source_dir() / "src" / "llama-vocab.cpp").read_text(errors="replace")
+    return tuple(dict.fromkeys(re.findall(r'tokenizer_pre == "([^"]+)"', text)))
+
+
 def lib():
     """The `llama_cpp.llama_cpp` ctypes module bound to our build, backend initialised once, logging quiet."""
     global _lib
@@ -127,9 +156,7 @@ class GGUFModel(_Owned):
 
     def __init__(self, path: str | os.PathLike, vocab_only: bool = False):
         L = lib()
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise FileNotFoundError(f"no GGUF file at {self.path}")
+        self.path = check_gguf_file(path, "GGUF")
         params = L.llama_model_default_params()
         params.n_gpu_layers = 0 if os.environ.get("SLIMWISE_LLAMA_CPP_GPU") != "1" else 999
         params.vocab_only = vocab_only
@@ -141,6 +168,9 @@ class GGUFModel(_Owned):
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.n_layer = L.llama_model_n_layer(handle)
         self.n_ctx_train = L.llama_model_n_ctx_train(handle)
+        # what llama-server reports of its model (/v1/models meta): known from the header, also with vocab_only
+        self.n_params = int(L.llama_model_n_params(handle))
+        self.size = int(L.llama_model_size(handle))
 
     def metadata(self) -> dict[str, str]:
         """Every key/value of the GGUF header as strings (llama.cpp's own view of them)."""

@@ -17,6 +17,7 @@ each server's `model_path` (`/props`), as the in-process handoff does (`check_ca
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import secrets
@@ -29,9 +30,10 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
-from slimwise_train.serve.engine import CacheMismatch, Completion, Request, check_cache_compatible
+from slimwise_train.serve.engine import (CacheMismatch, Completion, Request, check_cache_compatible, check_fits,
+                                         check_roles, same_file_content)
 
 
 class ServerError(RuntimeError):
@@ -48,11 +50,13 @@ def _call(url: str, body: dict | None = None, timeout: float = 600.0, api_key: s
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read().decode() or "{}")
     except urllib.error.HTTPError as error:
-        detail = error.read().decode(errors="replace")[:300]
+        detail = " ".join(error.read().decode(errors="replace").split())[:300]
         hint = " (pass the servers' key: --api-key-file)" if error.code == 401 else ""
         raise ServerError(f"{url}: HTTP {error.code}: {detail}{hint}") from None
     except urllib.error.URLError as error:
         raise ServerError(f"{url}: {error.reason}") from None
+    except (OSError, http.client.HTTPException) as error:  # the server went away mid-answer (killed, restarted)
+        raise ServerError(f"{url}: the connection broke ({type(error).__name__}: {error})") from None
 
 
 # ------------------------------------------------------------------------------------------------ API keys
@@ -76,9 +80,15 @@ def read_api_key(path: str | os.PathLike) -> str:
     if not file.is_file():
         raise FileNotFoundError(f"--api-key-file {file}: no such file (a `serve server` or `serve up` writes it when it "
                                 "starts without --api-key)")
-    key = next((line.strip() for line in file.read_text().splitlines() if line.strip() and not line.startswith("#")), "")
-    if not key:
-        raise ValueError(f"--api-key-file {file}: holds no key")
+    try:
+        with open(file, "rb") as handle:
+            text = handle.read(4096).decode("ascii")
+    except UnicodeDecodeError:
+        raise ValueError(f"--api-key-file {file} is not a key file (not text): pass the file `serve server` or "
+                         "`serve up` wrote, not a model or another input") from None
+    key = next((line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")), "")
+    if not key or not key.isprintable() or " " in key:
+        raise ValueError(f"--api-key-file {file}: holds no key (one line of printable characters)")
     return key
 
 
@@ -104,7 +114,7 @@ def api_key_for_server(path: str | os.PathLike) -> tuple[str, bool]:
     return key, True
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """In the child before exec: SIGTERM when the thread that started it ends (Linux PR_SET_PDEATHSIG)."""
     import ctypes
     import signal
@@ -170,7 +180,7 @@ class LlamaServer:
         # its own session: a Ctrl-C in the terminal reaches only the process that started it, which stops it in
         # order; and it dies with that process if that one is killed outright (no orphaned server holding a port)
         self.proc = subprocess.Popen(spec.command(), stdout=self._log, stderr=subprocess.STDOUT, env=spec.env(),
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+                                     start_new_session=True, preexec_fn=die_with_parent)
         try:
             wait_healthy(self.url, startup_timeout, process=self.proc)
         except ServerError:
@@ -201,13 +211,35 @@ class LlamaServer:
         self.stop()
 
 
-def served_gguf(url: str, api_key: str | None = None) -> str:
-    """The GGUF file a llama-server serves (`/props` model_path), if this process can read it."""
-    path = _call(url + "/props", api_key=api_key).get("model_path")
-    if not path or not Path(path).is_file():
-        raise CacheMismatch(f"{url}/props names model_path {path!r}, which this client cannot read: run the client "
-                            "where both GGUF files are visible (or pass the files with --prefill-gguf/--decode-gguf)")
-    return path
+def served_gguf(url: str, props: dict, given: str | None = None, meta: dict | None = None,
+                flag: str = "--decode-gguf") -> str:
+    """The GGUF file the llama-server at `url` serves, as a file this process can read: `props`' model_path (its
+    /props), or `given` (the --prefill-gguf / --decode-gguf flag), which must then be that model: the same bytes when
+    model_path is readable here, else the same parameter count and size as the server reports (`meta`, its
+    /v1/models entry's `meta`). ValueError (one line) otherwise."""
+    from slimwise_train.serve.llamacpp import GGUFModel, check_gguf_file
+
+    path = props.get("model_path")
+    visible = bool(path) and Path(path).is_file()
+    if given is None:
+        if not visible:
+            raise CacheMismatch(f"{url}/props names model_path {path!r}, which this client cannot read: run the "
+                                "client where both GGUF files are visible (or pass the files with "
+                                "--prefill-gguf/--decode-gguf)")
+        return path
+    check_gguf_file(given, flag)
+    if visible:
+        if not same_file_content(given, path):
+            raise ValueError(f"{flag} {given} is not the model {url} serves ({path}): leave {flag} out (the file is "
+                             "readable here) or pass that file")
+        return given
+    with GGUFModel(given, vocab_only=True) as model:
+        mine = {"n_params": model.n_params, "size": model.size, "n_vocab": model.n_vocab}
+    theirs = {key: (meta or {}).get(key) for key in mine}
+    if mine != theirs:
+        raise ValueError(f"{flag} {given} is not the model {url} serves ({path}): {mine} here, {theirs} there; pass "
+                         "a copy of the file that server loaded")
+    return given
 
 
 def sampling_params(req: Request) -> dict:
@@ -239,48 +271,103 @@ def wait_healthy(url: str, timeout: float, process: subprocess.Popen | None = No
 
 class DisaggregatedClient:
     """Prefill on one llama-server, decode on another (module docstring); greedy or sampled, one request at a
-    time per slot."""
+    time per slot.
+
+    Checked before any request (each a one-line ValueError): the GGUF each server serves (given files must be those
+    models), that the decoder can read the prefill model's cache and that the roles are not reversed
+    (`allow_pruned_prefill` allows a pruned prefill), and one probe handoff: the prefill server's slot file must
+    appear in `slot_dir` (the client deletes each file after use: a folder that is not the servers' would leak one
+    per request) and restore on the decode server (which fails when the servers' --kv-type or slot folders differ).
+    `n_ctx`: the smaller server's context per slot; `n_vocab`: the vocabulary's size."""
 
     def __init__(self, prefill_url: str, decode_url: str, slot_dir: str | os.PathLike,
                  prefill_gguf: str | None = None, decode_gguf: str | None = None, wait_s: float = 0.0,
-                 api_key: str | None = None):
-        self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
-        self.api_key = api_key
-        for url in (self.prefill_url, self.decode_url):
-            wait_healthy(url, wait_s)
-        self.slot_dir = Path(slot_dir)
+                 api_key: str | None = None, allow_pruned_prefill: bool = False):
         from slimwise_train.serve.llamacpp import GGUFModel
 
-        self.prefill_gguf = prefill_gguf or served_gguf(self.prefill_url, api_key)
-        self.decode_gguf = decode_gguf or served_gguf(self.decode_url, api_key)
+        self.prefill_url, self.decode_url = prefill_url.rstrip("/"), decode_url.rstrip("/")
+        self.api_key = api_key
+        self.slot_dir = Path(slot_dir)
+        if not self.slot_dir.is_dir():
+            raise ValueError(f"--slot-dir {slot_dir}: no such folder (pass the --slot-dir both servers were started "
+                             "with)")
+        for url in (self.prefill_url, self.decode_url):
+            wait_healthy(url, wait_s)
+        props = {url: _call(url + "/props", api_key=api_key) for url in (self.prefill_url, self.decode_url)}
+        models = {url: ((_call(url + "/v1/models", api_key=api_key).get("data") or [{}])[0].get("meta") or {})
+                  for url in (self.prefill_url, self.decode_url)}
+        self.prefill_gguf = served_gguf(self.prefill_url, props[self.prefill_url], prefill_gguf,
+                                        models[self.prefill_url], "--prefill-gguf")
+        self.decode_gguf = served_gguf(self.decode_url, props[self.decode_url], decode_gguf,
+                                       models[self.decode_url], "--decode-gguf")
         metas = []
         for path in (self.prefill_gguf, self.decode_gguf):
             with GGUFModel(path, vocab_only=True) as model:
                 metas.append(model.metadata())
+                self.n_vocab = model.n_vocab
         check_cache_compatible(metas[0], metas[1], self.prefill_url, self.decode_url)
+        if metas[0].get("slimwise.role", "full") != "full":
+            check_roles(metas[0], metas[1], f"the prefill server's model ({Path(self.prefill_gguf).name})",
+                        f"the decode server's ({Path(self.decode_gguf).name})",
+                        same_file_content(self.prefill_gguf, self.decode_gguf), allow_pruned_prefill)
+        self.n_ctx = min(int(props[url]["default_generation_settings"]["n_ctx"]) for url in props)
         self.prompt_tokens_evaluated_on_decode: list[int] = []
+        self._check_handoff()
+
+    def _check_handoff(self) -> None:
+        """One handoff of a one-token prompt: the slot file must appear in `slot_dir` and restore on the decode
+        server."""
+        name = f"slimwise-probe-{uuid.uuid4().hex}.bin"
+        _call(self.prefill_url + "/completion", {"prompt": [0], "n_predict": 1, "id_slot": 0, "cache_prompt": True,
+                                                 "temperature": 0.0, "top_k": 1}, api_key=self.api_key)
+        _call(self.prefill_url + "/slots/0?action=save", {"filename": name}, api_key=self.api_key)
+        file = self.slot_dir / name
+        if not file.is_file():
+            raise ValueError(f"--slot-dir {self.slot_dir} is not the servers' slot folder: the slot file the prefill "
+                             f"server just saved ({name}) is not in it; pass the --slot-dir both servers were started "
+                             f"with (and delete {name} from that folder)")
+        try:
+            _call(self.decode_url + "/slots/0?action=restore", {"filename": name}, api_key=self.api_key)
+        except ServerError as error:
+            raise ValueError(f"the decode server cannot restore a slot the prefill server saved ({error}): start both "
+                             "servers with the same --kv-type and --slot-dir") from None
+        finally:
+            file.unlink(missing_ok=True)
+
+    def check(self, requests: Sequence[Request]) -> None:
+        for i, req in enumerate(requests):
+            check_fits(len(req.prompt_ids), req.max_new_tokens, self.n_ctx,
+                       "start the servers with a larger --n-ctx or lower the budget", where=f"request {i}: ")
+
+    def _on(self, role: str, path: str, body: dict) -> dict:
+        """A call to the prefill or decode server; its failure names the server (one line)."""
+        base = self.prefill_url if role == "prefill" else self.decode_url
+        try:
+            return _call(base + path, body, api_key=self.api_key)
+        except ServerError as error:
+            raise ServerError(f"the {role} server failed ({error})") from None
 
     def generate_one(self, req: Request) -> Completion:
         prompt = [int(t) for t in req.prompt_ids]
-        first = _call(self.prefill_url + "/completion", {
+        first = self._on("prefill", "/completion", {
             "prompt": prompt, "n_predict": 1, "id_slot": 0, "cache_prompt": True, "return_tokens": True,
-            **sampling_params(req)}, api_key=self.api_key)
+            **sampling_params(req)})
         if not first.get("tokens"):
             raise ServerError(f"{self.prefill_url}/completion returned no token: {str(first)[:200]}")
         token = int(first["tokens"][0])
         name = f"slimwise-{uuid.uuid4().hex}.bin"
         try:
-            _call(self.prefill_url + "/slots/0?action=save", {"filename": name}, api_key=self.api_key)
-            _call(self.decode_url + "/slots/0?action=restore", {"filename": name}, api_key=self.api_key)
+            self._on("prefill", "/slots/0?action=save", {"filename": name})
+            self._on("decode", "/slots/0?action=restore", {"filename": name})
         finally:
             (self.slot_dir / name).unlink(missing_ok=True)
         tokens = [token]
         if first.get("stop_type") == "eos" or first.get("stopping_word") or req.max_new_tokens == 1:
             end = "eos" if first.get("stop_type") == "eos" else "budget"
             return Completion(tokens=tokens, text=first.get("content", ""), end=end, first_token=token)
-        rest = _call(self.decode_url + "/completion", {
+        rest = self._on("decode", "/completion", {
             "prompt": prompt + [token], "n_predict": req.max_new_tokens - 1, "id_slot": 0, "cache_prompt": True,
-            "return_tokens": True, "stop": list(req.stop), **sampling_params(req)}, api_key=self.api_key)
+            "return_tokens": True, "stop": list(req.stop), **sampling_params(req)})
         evaluated = int(rest.get("timings", {}).get("prompt_n", -1))
         self.prompt_tokens_evaluated_on_decode.append(evaluated)
         if evaluated != 1:
@@ -292,5 +379,11 @@ class DisaggregatedClient:
         return Completion(tokens=tokens, text=first.get("content", "") + rest.get("content", ""), end=end,
                           first_token=token)
 
+    def completions(self, requests: Sequence[Request]) -> Iterator[Completion]:
+        """Each request's completion in turn, as it finishes (after `check`)."""
+        self.check(requests)
+        for req in requests:
+            yield self.generate_one(req)
+
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        return [self.generate_one(r) for r in requests]
+        return list(self.completions(requests))

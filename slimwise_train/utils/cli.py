@@ -3,6 +3,7 @@ the run creates anything (`hydra_app`), and a logged thread count."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import json
@@ -16,6 +17,14 @@ from typing import Callable, Iterator
 # Bad input raises one of these (a bad key in a config or file is a ValueError naming it). KeyError is not one: a missing
 # dictionary key is a bug, and a bug shows its traceback (exit 1) instead of passing for the user's mistake.
 USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse for the apps that take flags: a usage error is one line naming the flag, with a pointer to
+    `--help`, instead of the whole usage block (subcommands' parsers are of this class too)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 class MachineFault(RuntimeError):

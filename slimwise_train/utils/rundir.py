@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from slimwise_train.utils.atomic import pid_alive
+
 log = logging.getLogger("slimwise")
 LOCK_NAME = ".slimwise.lock"
 
@@ -46,31 +48,23 @@ def check_writable(path: Path, what: str = "output folder", create: bool = True)
                          "(output_dir=... or hydra.run.dir=...)") from None
 
 
-def check_outputs_spare_inputs(outputs: dict[str, Path], inputs: dict[str, str | None]) -> None:
+def check_outputs_spare_inputs(outputs: dict[str, Path], inputs: dict[str, str | None],
+                               fix: str = "choose another output folder, or move the input out of it") -> None:
     """Refuse, before anything is written, a run whose outputs would replace one of its own inputs: an input path (a
     model folder, a tokenizer, a data file: `inputs`, {config key: path}) equal to, or inside, an output the run
-    writes or replaces (`outputs`, {what: path}; a folder output is replaced whole). Inputs that are not local paths
-    (hub ids, recipe names) are skipped."""
+    writes or replaces (`outputs`, {what: path}; a folder output is replaced whole). Files are compared as the
+    filesystem knows them (a hard link or another spelling of the same file is the same file). Inputs that are not
+    local paths (hub ids, recipe names) are skipped. `fix` ends the message."""
     resolved = {what: Path(os.path.realpath(path)) for what, path in outputs.items()}
     for key, value in inputs.items():
         if not value or not Path(str(value)).expanduser().exists():
             continue
         source = Path(os.path.realpath(Path(str(value)).expanduser()))
         for what, target in resolved.items():
-            if source == target or target in source.parents:
-                raise ValueError(f"{key}={value} is {'' if source == target else 'inside '}{target}, which this run "
-                                 f"writes ({what}): it would replace its own input; choose another output folder, or "
-                                 f"move the input out of it")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
+            same = source == target or (target.exists() and os.path.samefile(source, target))
+            if same or target in source.parents:
+                raise ValueError(f"{key}={value} is {'' if same else 'inside '}{target}, which this run "
+                                 f"writes ({what}): it would replace its own input; {fix}")
 
 
 def _parse_lock(text: str) -> tuple[dict | None, str]:
@@ -203,7 +197,7 @@ def acquire_lock(folder: Path) -> Path:
                 log.warning("the lock %s is unreadable (%s): it names no job, taking it over as stale", lock, why)
             else:
                 pid = holder["pid"]
-                if holder["host"] != me["host"] or _pid_alive(pid):
+                if holder["host"] != me["host"] or pid_alive(pid):
                     since = f" since {holder['started']}" if "started" in holder else ""
                     raise ValueError(
                         f"output folder {folder} is in use by another job (pid {pid} on {holder['host']}{since}); "
