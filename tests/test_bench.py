@@ -22,13 +22,14 @@ TINY = {
 }
 
 
-# memory, prune and lm_eval launch subprocesses on saved checkpoints: their own tests (below, tests/test_lm_eval.py)
+# memory, prune, lm_eval and serve launch subprocesses on saved checkpoints or servers: their own tests (below,
+# tests/test_lm_eval.py, tests/test_bench_serve.py)
 # loss and train measure memory in a `python -c` child each, engine runs llama-server: those three are marked.
 SPAWNING_BENCHES = ("engine", "loss", "train")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.subprocess) if n in SPAWNING_BENCHES else n
-                                  for n in sorted(n for n in BENCHES if n not in ("memory", "prune", "lm_eval"))])
+                                  for n in sorted(n for n in BENCHES if n not in ("memory", "prune", "lm_eval", "serve"))])
 def test_bench_subcommand_prints_one_json_line(name, capsys):
     assert main([name, *TINY[name]]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
