@@ -429,11 +429,14 @@ def test_readme_serve_block_runs_as_written(tmp_path):
     readme = (repo / "README.md").read_text()
     section = readme[readme.index("## Serve with llama.cpp"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "slimwise_train").symlink_to(repo / "slimwise_train")
+    from helpers import checkout_like, untracked
+
+    checkout = checkout_like(tmp_path / "checkout")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "-e", "-c", block], cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outputs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"index"')]
     assert len(outputs) == 2 and outputs[0]["tokens"] == outputs[1]["tokens"] and outputs[0]["length"] > 0
-    assert (tmp_path / "teacher.gguf").is_file() and (tmp_path / "pruned.gguf").is_file()
+    assert (checkout / "outputs" / "teacher.gguf").is_file() and (checkout / "outputs" / "pruned.gguf").is_file()
+    assert untracked(checkout) == [], "the block left files outside outputs/"
