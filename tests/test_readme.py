@@ -124,3 +124,17 @@ def stage_table(readme: str) -> dict[str, tuple[list[str], list[str]]]:
         optional = re.findall(r"\(with [^)]*\)", listed)
         table[stage] = (files(re.sub(r"\(with [^)]*\)", "", listed)), files(" ".join(optional)))
     return table
+
+
+@pytest.mark.slow
+def test_the_readmes_test_count_is_what_pytest_collects():
+    """The Tests section's count stays within the slack it states of what pytest collects (in a child: this session
+    may have collected only some files)."""
+    said = re.search(r"about (\d+) tests \(a test keeps this count within (\d+)% of what pytest collects\)",
+                     (REPO / "README.md").read_text())
+    assert said, "the README's Tests section no longer states its count and slack this way"
+    count, slack = int(said.group(1)), int(said.group(2))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    collected = int(re.search(r"(\d+) tests? collected", proc.stdout).group(1))
+    assert abs(collected - count) <= count * slack / 100, f"README says about {count} tests, pytest collects {collected}"
