@@ -22,6 +22,10 @@ COMMANDS = {
     "plan": ("slimwise_train.plan", "memory per GPU of a training run before launching it"),
 }
 
+# The line under the title of every docs page with commands (the scripts that write docs pages put it there too).
+DOCS_VENV_NOTE = ("Commands on this page run inside the venv, from the repository root: `source .venv/bin/activate` "
+                  "once per\nshell ([README](../README.md#two-commands)).")
+
 
 def usage() -> str:
     width = max(map(len, COMMANDS))

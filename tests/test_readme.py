@@ -138,3 +138,12 @@ def test_the_readmes_test_count_is_what_pytest_collects():
                           capture_output=True, text=True, timeout=600)
     collected = int(re.search(r"(\d+) tests? collected", proc.stdout).group(1))
     assert abs(collected - count) <= count * slack / 100, f"README says about {count} tests, pytest collects {collected}"
+
+
+def test_every_page_with_commands_says_they_run_in_the_venv():
+    """A user pasting a command from any page must learn there that it runs in the activated venv."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    with_commands = [p for p in pages if re.search(r"python -m slimwise_train|torchrun|python scripts/", p.read_text())]
+    assert len(with_commands) > 5
+    silent = [p.name for p in with_commands if "source .venv/bin/activate" not in p.read_text()]
+    assert not silent, silent
