@@ -15,19 +15,23 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device) -> dict[str, list[float]]:
-    """Run each callable `repeats` times in round-robin order (after `warmup` rounds); seconds per run."""
+def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device,
+                      between_rounds: Callable[[int], None] | None = None) -> dict[str, list[float]]:
+    """Run each callable `repeats` times in round-robin order (after `warmup` rounds); seconds per run.
+    `between_rounds(i)` runs untimed after timed round i (a machine probe beside the rounds: bench/roofline.py)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for i in range(repeats):
         for name, fn in fns.items():
             _sync(device)
             start = time.perf_counter()
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - start)
+        if between_rounds is not None:
+            between_rounds(i)
     return times
 
 
