@@ -16,7 +16,8 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from slimwise_train.distill.curves import ema, log_scale, plot_training_curves, read_metrics, smoothing_span  # noqa: F401
+from slimwise_train.distill.curves import (ema, log_scale, plot_training_curves, read_metrics,  # noqa: F401
+                                           smoothing_span, start_to_end)
 from slimwise_train.eval.modes import LM_EVAL_NAMES
 from slimwise_train.eval.report import BOUND_BATCH, _decode_pruned, expert_bytes_bound, rows_for
 from slimwise_train.utils.plotting import pyplot as _pyplot, save_png as _save
