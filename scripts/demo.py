@@ -6,12 +6,14 @@ outputs/demo/report.md:
   2. distill the pruned decoder (2 ranks, ZeRO-2) torchrun --nproc_per_node 2 -m slimwise_train engine=zero2
   3. evaluate full / conventional / SlimWise / reverse / conventional+distill / SlimWise+distill
                                                   python -m slimwise_train.eval
-  4. decode-step speedup of the keep set at batch 64        python -m slimwise_train.bench decode
+  4. decode-step speed-up of the keep set at batch 64, beside its bound   python -m slimwise_train.bench decode
   5. serve in llama.cpp: the teacher, pruned and distilled decoders converted (python -m slimwise_train.serve gguf),
      the full prefill handed to each decoder for 4 problems per family (compared with the eval app's outputs), and
-     llama.cpp's decode speed-up at 64 sequences
+     llama.cpp's decode speed-up at 64 sequences, beside its bound
+Every speed-up in the report sits beside one bound measured in the same run (bench/roofline.py); one above its bound
+is flagged as not a result, and a run on a machine other processes shared says so.
 Environment knobs (for quick looks; the defaults are the demo): DEMO_STEPS, DEMO_EVAL_N, DEMO_RATIO, DEMO_TEACHER,
-DEMO_BENCH=0 (skip step 4: the speedup then comes from the expert-bytes model, labelled as such).
+DEMO_BENCH=0 (skip step 4: the speed-up then comes from the expert-bytes model, labelled as such).
 """
 
 from __future__ import annotations
