@@ -422,6 +422,7 @@ def test_bench_engine_reports_ratios_bounds_and_targets(tmp_path):
         assert cell["above_bound"] == (cell["efficiency"] > 1)
         assert ({"model": "teacher", "sequences": row["sequences"], "ratio": 0.5} in result["above_bound"]) == \
             cell["above_bound"]
+        assert row["faster_than_bound"] == [v for v, x in row["roofline_fraction"].items() if x > 1]
     assert set(result["targets_met"]) == {"decode_speedup_at_64", "efficiency_at_64", "within_bound"}
     assert list(tmp_path.iterdir()) == []  # the GGUF files of the run are gone
 

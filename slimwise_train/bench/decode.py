@@ -11,7 +11,7 @@ import torch
 
 from slimwise_train.bench.common import _paired_ratio, bench_model, interleaved_times, paired_ratio_quartiles
 from slimwise_train.bench.roofline import (RooflineMonitor, above_bound_note, against_bound, decode_shape,
-                                           rows_to_measure, shared_note, step_bound_s)
+                                           faster_than_bound, rows_to_measure, shared_note, step_bound_s)
 
 
 def _decode_cache(model, kind: str, max_len: int):
@@ -152,6 +152,11 @@ def run_decode(args) -> dict:
             rates = monitor.median_rates(first_probe)
             row["roofline_fraction"] = {v: round(bound_s(rates, v) / med[v], 3) for v in rows if v in med
                                         and not v.startswith("masked")}
+            row["faster_than_bound"] = faster_than_bound(row["roofline_fraction"])
+            if row["faster_than_bound"]:
+                print(f"bench decode: batch {batch}: {', '.join(row['faster_than_bound'])} ran faster than its least "
+                      "time from the probes: they understated this machine, so this batch's bounds are suspect",
+                      file=sys.stderr, flush=True)
         results.append(row)
         print(json.dumps({"partial": row}), file=sys.stderr, flush=True)
     masking.remove()
@@ -168,8 +173,8 @@ def run_decode(args) -> dict:
         "speedup_at_64": None if at_64 is None else at_64["speedup"] >= targets["pruned_0.5_speedup_at_64_min"],
         "efficiency_at_64": None if at_64 is None or at_64["bound"] is None
         else targets["efficiency_min"] <= at_64["efficiency"] <= 1,
-        # a speed-up above its bound anywhere: the bound is wrong there (`above_bound` lists where)
-        "within_bound": None if monitor is None else not flagged,
+        # a speed-up above its bound, or a step faster than its own least time, anywhere: the bound is wrong there
+        "within_bound": None if monitor is None else not flagged and not any(r["faster_than_bound"] for r in results),
     }
     last = results[-1]["pruned"]
     return {

@@ -13,7 +13,9 @@ The compute side is modelled at the row counts that occur: an expert matmul of a
 matmul's peak, and pruning gives each kept expert more rows (at batch 64, 8 of 128 experts: ~4 rows each in the full
 model, ~8 at 50%, ~16 at 75%), so the pruned step gains on compute as well as on bytes. The matmul time at each row
 count is measured on the expert's own shape with its weights hot in cache (what the cores can do at that shape when
-memory is not the limit). Rows come from the step's own routing where the bench sees it (`bench decode`), else from
+memory is not the limit), at the bench's threads and on one thread (scaled as if perfectly parallel), whichever is
+less. A variant that runs faster than its own least time (`roofline_fraction` above 1) shows the probes understated
+the machine: it is flagged too (`faster_than_bound`). Rows come from the step's own routing where the bench sees it (`bench decode`), else from
 uniform routing simulated with a fixed seed (`bench engine`, llama.cpp).
 
 The bound of a speed-up is full step bound / pruned step bound; a measured speed-up reads against it (efficiency).
@@ -273,19 +275,27 @@ class RooflineMonitor:
             self._inputs = {r: (torch.randn(r, hidden), torch.randn(r, inter)) for r in self.rows}
 
     def probe(self) -> MachineRates:
+        """One measurement of the rates. A matmul's time is the lesser of its time at `threads` threads and its
+        one-thread time / `threads` (perfect scaling: no faster is possible): on a shared machine a small
+        multi-threaded matmul waits for whichever of its threads was descheduled, a single thread does not, so the
+        second keeps a busy machine's probe from understating what the cores can do."""
         previous = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
+        matmuls = {"gemm": lambda: self._a @ self._b}
+        # gate+up then down, as an MoE expert runs (x W_up, then y W_down), weights hot in cache
+        matmuls.update({r: (lambda x=x, y=y: (x @ self._up, y @ self._down))
+                        for r, (x, y) in getattr(self, "_inputs", {}).items()})
         try:
-            copy_s, gemm_s = _best_seconds({"copy": lambda: self._dst.copy_(self._src),
-                                            "gemm": lambda: self._a @ self._b}, self.repeats).values()
-            # gate+up then down, as an MoE expert runs (x W_up, then y W_down), weights hot in cache
-            expert_s = _best_seconds({r: (lambda x=x, y=y: (x @ self._up, y @ self._down))
-                                      for r, (x, y) in getattr(self, "_inputs", {}).items()},
-                                     self.repeats + 2, least_s=0.003)
+            torch.set_num_threads(self.threads)
+            copy_s = _best_seconds({"copy": lambda: self._dst.copy_(self._src)}, self.repeats)["copy"]
+            together = _best_seconds(matmuls, self.repeats + 2, least_s=0.003)
+            torch.set_num_threads(1)
+            alone = _best_seconds(matmuls, self.repeats + 2, least_s=0.003)
         finally:
             torch.set_num_threads(previous)
+        best = {k: min(together[k], alone[k] / self.threads) for k in matmuls}
+        gemm_s = best.pop("gemm")
         rates = MachineRates(2 * self._src.numel() * 4 / copy_s / 1e9, 2 * self._gemm ** 3 / gemm_s / 1e9,
-                             self.threads, self.expert, expert_s)
+                             self.threads, self.expert, best)
         self.samples.append(rates)
         return rates
 
@@ -355,6 +365,12 @@ def above_bound_note(what: str, cell: dict) -> str:
            "within the noise (the quartiles overlap): a shared or noisy machine")
     return (f"{what}: speed-up {cell['speedup']:.2f}x is ABOVE its bound {cell['bound']:.2f}x (efficiency "
             f"{cell['efficiency']:.2f}; {why}): not a result")
+
+
+def faster_than_bound(fractions: dict) -> list[str]:
+    """The variants of a `roofline_fraction` row ({variant: least time / measured time}) that ran faster than their
+    least time: the probes understated the machine there (a busy machine's probes), so that row's bound is suspect."""
+    return [variant for variant, fraction in fractions.items() if fraction > 1]
 
 
 def shared_note(machine: dict, what: str) -> str | None:
