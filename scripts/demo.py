@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's package for the in-process steps, as the app commands (cwd) get it
 OUT = REPO / "outputs" / "demo"
 STEPS = int(os.environ.get("DEMO_STEPS", 1000))
 EVAL_N = int(os.environ.get("DEMO_EVAL_N", 200))
@@ -316,6 +317,13 @@ def main() -> int:
                  "eval.save_generations=true",
                  f"hydra.run.dir={eval_dir}"],
         timings)
+    return measure_and_report(timings, start)
+
+
+def measure_and_report(timings: dict[str, float], start: float) -> int:
+    """Steps 4 and 5 and the report, on the outputs of steps 1-3 in OUT."""
+    prune_dir, train_dir, eval_dir = OUT / f"reap-r{RATIO}", OUT / "distill", OUT / "eval"
+    keep_set = prune_dir / "keep_set.json"
     teacher_dir = Path(TEACHER) if TEACHER else REPO / "slimwise_train" / "assets" / "teacher"
     measured, speedup_source = decode_speedup(teacher_dir, keep_set, timings)
     serve_lines = engine_step(teacher_dir, prune_dir, train_dir, eval_dir, timings)

@@ -266,6 +266,26 @@ def test_training_curves_say_that_train_and_held_out_are_on_different_sequences(
     assert plots.start_to_end({6: 0.2, 7: 0.19}, {7: 0.3}) is None
 
 
+def test_the_smoothed_train_loss_weights_each_step_by_its_loss_tokens(tmp_path, capture):
+    """A step with a few loss tokens logs a mean far from the rest (the demo's 1e-4 among 0.1s): weighted by loss
+    tokens the trend stays where the tokens are, as the slow reference (a plain weighted EMA) says, and the axis stays
+    linear."""
+    losses = [0.1 if s % 5 else 1e-4 for s in range(1, 41)]
+    tokens = [400 if s % 5 else 20 for s in range(1, 41)]
+    rows = [json.dumps({"step": s, "loss": v, "loss_tokens": t}) for s, v, t in zip(range(1, 41), losses, tokens)]
+    (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
+    plots.plot_training_curves(tmp_path / "m.jsonl", tmp_path / "m.png")
+    (ax,) = capture[-1].axes
+    (smoothed,) = [line for line in ax.get_lines() if line.get_label().startswith("train loss, smoothed")]
+    assert "weighted by their loss tokens" in smoothed.get_label()
+    alpha, num, den, expected = 2 / (plots.smoothing_span(40) + 1), 0.0, 0.0, []
+    for v, t in zip(losses, tokens):
+        num, den = (1 - alpha) * num + alpha * t * v, (1 - alpha) * den + alpha * t
+        expected.append(num / den)
+    assert list(smoothed.get_ydata()) == pytest.approx(expected)
+    assert min(smoothed.get_ydata()) > 0.08 and ax.get_yscale() == "linear"
+
+
 def test_training_curves_go_log_over_a_decade_and_keep_a_resumed_steps_last_value(tmp_path, capture):
     losses = [10.0 * 0.8 ** s for s in range(20)]  # 10 -> ~0.14: two decades
     metrics = _metrics(tmp_path / "metrics.jsonl", losses, {20: 0.2},

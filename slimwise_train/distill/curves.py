@@ -15,7 +15,14 @@ from slimwise_train.utils.plotting import pyplot as _pyplot, save_png as _save
 def read_metrics(metrics_jsonl_path: str | Path) -> tuple[dict[int, float], dict[int, float], int]:
     """({step: train loss}, {step: held-out loss}, unreadable lines) of a trainer's metrics.jsonl. A step logged
     twice (a resumed run logs again from its checkpoint) keeps its last value; non-finite losses are dropped."""
-    train, held_out, bad = {}, {}, 0
+    (train, held_out), bad = _read(metrics_jsonl_path, ("loss", "eval/loss"))
+    return train, held_out, bad
+
+
+def _read(metrics_jsonl_path: str | Path, keys: Sequence[str]) -> tuple[list[dict[int, float]], int]:
+    """([{step: value of key} per key, in step order], unreadable lines): finite numbers only, a step's last value."""
+    found: list[dict[int, float]] = [{} for _ in keys]
+    bad = 0
     for line in Path(metrics_jsonl_path).read_text().splitlines():
         if not line.strip():
             continue
@@ -26,21 +33,23 @@ def read_metrics(metrics_jsonl_path: str | Path) -> tuple[dict[int, float], dict
             continue
         if not isinstance(row, dict) or "step" not in row:
             continue
-        for key, into in (("loss", train), ("eval/loss", held_out)):
+        for key, into in zip(keys, found):
             value = row.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 into[int(row["step"])] = float(value)
-    return dict(sorted(train.items())), dict(sorted(held_out.items())), bad
+    return [dict(sorted(d.items())) for d in found], bad
 
 
-def ema(values: Sequence[float], span: int) -> list[float]:
+def ema(values: Sequence[float], span: int, weights: Sequence[float] | None = None) -> list[float]:
     """Bias-corrected exponential moving average (alpha = 2 / (span + 1)), as TensorBoard's smoothing: the first
-    values are not pulled toward 0."""
+    values are not pulled toward 0. With `weights` each value counts by its weight (a step's loss by its loss
+    tokens: a step of 20 tokens, whose mean swings by orders of magnitude, then moves the average little)."""
     alpha, avg, weight, out = 2 / (span + 1), 0.0, 0.0, []
-    for v in values:
-        avg = (1 - alpha) * avg + alpha * v
-        weight = (1 - alpha) * weight + alpha
-        out.append(avg / weight)
+    for i, v in enumerate(values):
+        w = 1.0 if weights is None else float(weights[i])
+        avg = (1 - alpha) * avg + alpha * w * v
+        weight = (1 - alpha) * weight + alpha * w
+        out.append(avg / weight if weight > 0 else v)
     return out
 
 
@@ -60,13 +69,20 @@ def log_scale(train: Sequence[float], held_out: Sequence[float]) -> bool:
     return bool(values) and max(values) / min(values) > 10
 
 
-def start_to_end(train: dict[int, float], held_out: dict[int, float]) -> str | None:
+def _smoothed(train: dict[int, float], tokens: dict[int, float] | None) -> list[float]:
+    """The train curve's trend: `ema` over the logged steps, weighted by each step's loss tokens where all have them."""
+    weights = [tokens[s] for s in train] if tokens and all(s in tokens for s in train) else None
+    return ema(list(train.values()), smoothing_span(len(train)), weights)
+
+
+def start_to_end(train: dict[int, float], held_out: dict[int, float],
+                 tokens: dict[int, float] | None = None) -> str | None:
     """The note under the curve: the two losses are on different sequences (each step's own training batch, the
     fixed held-out set), so their levels differ before any training; each is read against its own start (train at
     step 1, logged before the first update; held-out at step 0). None when the run lacks either start (resumed)."""
     parts = []
     if 1 in train and len(train) >= 2:
-        end = ema(list(train.values()), smoothing_span(len(train)))[-1]
+        end = _smoothed(train, tokens)[-1]
         parts.append(f"train {train[1]:.3g} at step 1 -> {end:.3g} smoothed ({end / train[1] - 1:+.0%})")
     if 0 in held_out and len(held_out) >= 2:
         last = list(held_out)[-1]
@@ -80,17 +96,19 @@ def start_to_end(train: dict[int, float], held_out: dict[int, float]) -> str | N
 
 
 def plot_training_curves(metrics_jsonl_path: str | Path, path: str | Path, title: str | None = None) -> None:
-    """Train loss per logged step (thin, light), its smoothed trend (EMA, `smoothing_span`), and the held-out loss
+    """Train loss per logged step (thin, light), its smoothed trend (EMA, `smoothing_span`, weighted by each step's
+    loss tokens when metrics.jsonl has them), and the held-out loss
     at each evaluation (markers, first and last value written), from a training run's metrics.jsonl; the losses
     before training (train at step 1, held-out at step 0) ringed and each curve's change from its own start written
     under the axes (`start_to_end`: the two are on different sequences, so one sitting below the other says nothing
-    about training); log y when the losses span more than one decade (`log_scale`). A pure function of the file:
+    about training); log y when the smoothed train and held-out losses span more than one decade (`log_scale`). A pure function of the file:
     ValueError when it has no loss rows."""
     plt = _pyplot()
-    train, held_out, bad = read_metrics(metrics_jsonl_path)
+    (train, held_out, tokens), bad = _read(metrics_jsonl_path, ("loss", "eval/loss", "loss_tokens"))
     if not train and not held_out:
         raise ValueError(f"{metrics_jsonl_path}: no 'loss' or 'eval/loss' rows to plot")
-    note = start_to_end(train, held_out)
+    note = start_to_end(train, held_out, tokens)
+    weighted = bool(tokens) and all(s in tokens for s in train)
     fig, ax = plt.subplots(figsize=(7.6, 4.4 + (0.45 if note else 0)))
     if train:
         steps, losses = list(train), list(train.values())
@@ -98,8 +116,9 @@ def plot_training_curves(metrics_jsonl_path: str | Path, path: str | Path, title
                 label="train loss (each logged step, on its own training batch)", zorder=2)
         if len(losses) >= 2:
             span = smoothing_span(len(losses))
-            ax.plot(steps, ema(losses, span), color="#1f77b4", lw=2.0,
-                    label=f"train loss, smoothed (EMA over {span} logged steps)", zorder=3)
+            ax.plot(steps, _smoothed(train, tokens), color="#1f77b4", lw=2.0, zorder=3,
+                    label=f"train loss, smoothed (EMA over {span} logged steps"
+                          + (", weighted by their loss tokens)" if weighted else ")"))
     if held_out:
         steps, losses = list(held_out), list(held_out.values())
         ax.plot(steps, losses, color="#d62728", lw=1.5, marker="o", markersize=5,
@@ -113,7 +132,9 @@ def plot_training_curves(metrics_jsonl_path: str | Path, path: str | Path, title
         ax.plot([s for s, _, _ in starts], [v for _, v, _ in starts], ls="none", marker="o", markersize=11,
                 markerfacecolor="none", markeredgecolor="0.2", markeredgewidth=1.2, zorder=5,
                 label="before training (train: step 1, before its update; held-out: step 0)")
-    if log_scale(list(train.values()), list(held_out.values())):
+    # the axis follows the trend (smoothed train, held-out), not the single logged steps: a step of a few loss tokens
+    # can log 1e-4 and would otherwise make a readable linear axis logarithmic
+    if log_scale(_smoothed(train, tokens) if train else [], list(held_out.values())):
         ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("distillation loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
