@@ -287,9 +287,9 @@ class RooflineMonitor:
         try:
             torch.set_num_threads(self.threads)
             copy_s = _best_seconds({"copy": lambda: self._dst.copy_(self._src)}, self.repeats)["copy"]
-            together = _best_seconds(matmuls, self.repeats + 2, least_s=0.003)
+            together = _best_seconds(matmuls, self.repeats, least_s=0.002)
             torch.set_num_threads(1)
-            alone = _best_seconds(matmuls, self.repeats + 2, least_s=0.003)
+            alone = _best_seconds(matmuls, self.repeats, least_s=0.002)
         finally:
             torch.set_num_threads(previous)
         best = {k: min(together[k], alone[k] / self.threads) for k in matmuls}
