@@ -122,7 +122,7 @@ def bound_sentence(cell: dict) -> str:
     of a speed-up above its bound or of a shared machine."""
     low, high = cell["speedup_quartiles"]
     b_low, b_high = cell["bound_quartiles"]
-    text = (f"{cell['speedup']:.2f}x (quartiles {low:.2f}-{high:.2f}x over {cell.get('repeats', 'its')} paired rounds) "
+    text = (f"**{cell['speedup']:.2f}x** (quartiles {low:.2f}-{high:.2f}x over {cell.get('repeats', 'its')} paired rounds) "
             f"against this machine's bound {cell['bound']:.2f}x (quartiles {b_low:.2f}-{b_high:.2f}x over "
             f"{cell['probes']} probes between the rounds: copy bandwidth and matmul times at the rows each expert "
             f"gets, bench/roofline.py), efficiency {cell['efficiency']:.2f}")
@@ -195,7 +195,7 @@ def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: P
     timings["serve"] = round(time.time() - start, 1)
     return lines + ["", f"llama.cpp decode, {BATCH} sequences, {threads} threads, f32 weights, f16 KV: full "
                         f"{rows[0]['decode_tok_s']['full']:g} tok/s, pruned {rows[0]['decode_tok_s'][f'pruned_{ratio}']:g} "
-                        f"tok/s: **{speed_cell(cell)}**: {bound_sentence(cell)}. The teacher is tiny (hidden 128), so "
+                        f"tok/s: {bound_sentence(cell)}. The teacher is tiny (hidden 128), so "
                         "a step is dominated by per-op overheads, not expert bytes: `python -m slimwise_train.bench "
                         "engine` measures a Qwen3-30B-A3B-sized layer."]
 
