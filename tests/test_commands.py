@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import re
 import sys
-import tomllib
 
 import pytest
 
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.subprocess
 @pytest.fixture(scope="module")
 def slimwise(tmp_path_factory):
     """The console script as pip writes it for [project.scripts]: the venv's python importing the entry point."""
-    (entry,) = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"].items()
-    name, target = entry
-    module, function = target.split(":")
+    section = (REPO / "pyproject.toml").read_text().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    (entry,) = re.findall(r'^(\w+) = "([\w.]+):(\w+)"', section, re.M)  # (tomllib is Python 3.11+)
+    name, module, function = entry
     script = tmp_path_factory.mktemp("bin") / name
     script.write_text(f"#!{sys.executable}\nimport sys\nfrom {module} import {function}\nsys.exit({function}())\n")
     script.chmod(0o755)
