@@ -35,7 +35,7 @@ def run(args, cwd):
 
 
 @pytest.mark.parametrize("command, args", [("prune", ["model=teacher", "prune.ratio=0.25", "--help"]),
-                                           ("train", ["--help"]), ("bench", ["decode", "--help"])])
+                                           ("bench", ["decode", "--help"])])  # a Hydra app, an argparse one
 def test_a_command_prints_what_its_module_prints(slimwise, tmp_path, command, args):
     ours = run([str(slimwise), command, *args], tmp_path)
     theirs = run([sys.executable, "-m", COMMANDS[command][0], *args], tmp_path)
