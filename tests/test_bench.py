@@ -250,19 +250,23 @@ def test_the_step_bound_against_a_slow_reference():
     seconds = {1: 1e-5, 2: 1.2e-5, 4: 1.6e-5, 8: 2.4e-5}  # per expert matmul pair: the rate rises with rows
     rates = MachineRates(bandwidth_gbs=10.0, matmul_gflops=50.0, threads=2, expert=expert, expert_seconds=seconds)
     rows = [[2, 0, 1, 1, 0, 0, 0, 0], [3, 1, 0, 0, 0, 0, 0, 0]]  # 4 tokens x top-2 per layer
-    bw = 10e9
-    dense = max((10_000 * 2 + 4 * 16 * 512) / bw,
-                seconds[4] * 10_000 / (3 * 64 * 32) + 4 * 16 * 1000 / 50e9)  # n = 4 rows through the dense weights
+    bw, width = 10e9, 2 / 4  # f16 weights stream through the cache in half the measured fp32 time
+    dense = max((10_000 * 2 + 4 * 16 * 512) / bw,  # n = 4 rows through the dense weights
+                seconds[4] * 10_000 / (3 * 64 * 32) * width + 4 * 16 * 1000 / 50e9)
     read = 3 * 64 * 32 * 2 / bw
     at = {1: seconds[1], 2: seconds[2], 3: (seconds[2] + seconds[4]) / 2}  # 3 rows: between the measured 2 and 4
-    experts = sum(max(read, at[r]) for layer in rows for r in layer if r)
+    experts = sum(max(read, at[r] * width) for layer in rows for r in layer if r)
     assert step_bound_s(shape, 4, 16, rates, rows=rows) == pytest.approx(dense + experts, rel=1e-12)
+    # fp32 weights: the measured time as it is; never below the large-matmul peak
+    assert rates.matmul_seconds(3, 3 * 64 * 32, 4) == pytest.approx(at[3])
+    slow_peak = MachineRates(bandwidth_gbs=10.0, matmul_gflops=1e-3, threads=2, expert=expert, expert_seconds=seconds)
+    assert slow_peak.matmul_seconds(2, 100, 2) == pytest.approx(2 * 2 * 100 / 1e6)
     # 8 tokens, top-2: 8 experts get 2 rows each, 4 experts (half pruned) 4 each: the same FLOPs (one layer's
     # rows given: both MoE layers route so)
     full, half = [[2] * 8], [[4] * 4]
     fast_memory = MachineRates(bandwidth_gbs=1e6, matmul_gflops=50.0, threads=2, expert=expert, expert_seconds=seconds)
     assert step_bound_s(shape.with_experts(4), 8, 16, fast_memory, rows=half) == pytest.approx(
-        step_bound_s(shape, 8, 16, fast_memory, rows=full) - 2 * (8 * seconds[2] - 4 * seconds[4]))
+        step_bound_s(shape, 8, 16, fast_memory, rows=full) - 2 * (8 * seconds[2] - 4 * seconds[4]) * width)
     flat = MachineRates(bandwidth_gbs=1e6, matmul_gflops=50.0, threads=2)  # the peak rate at every row count
     assert step_bound_s(shape.with_experts(4), 8, 16, flat, rows=half) == pytest.approx(
         step_bound_s(shape, 8, 16, flat, rows=full))

@@ -14,7 +14,8 @@ matmul's peak, and pruning gives each kept expert more rows (at batch 64, 8 of 1
 model, ~8 at 50%, ~16 at 75%), so the pruned step gains on compute as well as on bytes. The matmul time at each row
 count is measured on the expert's own shape with its weights hot in cache (what the cores can do at that shape when
 memory is not the limit), at the bench's threads and on one thread (scaled as if perfectly parallel), whichever is
-less. A variant that runs faster than its own least time (`roofline_fraction` above 1) shows the probes understated
+less; for weights narrower than fp32 (llama.cpp's f16) that time is scaled by their width, since at a few rows it is
+the weights streaming through the cache, and it is never below the large-matmul peak. A variant that runs faster than its own least time (`roofline_fraction` above 1) shows the probes understated
 the machine: it is flagged too (`faster_than_bound`). Rows come from the step's own routing where the bench sees it (`bench decode`), else from
 uniform routing simulated with a fixed seed (`bench engine`, llama.cpp).
 
@@ -66,13 +67,17 @@ class MachineRates:
     def expert_params(self) -> int:
         return 3 * self.expert[0] * self.expert[1] if self.expert else 0
 
-    def matmul_seconds(self, rows: int, params: int) -> float:
-        """Least time of `rows` rows through `params` weights (2 FLOPs each): the measured expert matmul time at that
-        row count (interpolated between measured counts, scaled by params), or the large-matmul peak without one."""
+    def matmul_seconds(self, rows: int, params: int, weight_bytes: float = 4) -> float:
+        """Least time of `rows` rows through `params` weights stored at `weight_bytes` each (2 FLOPs per weight and
+        row): the measured fp32 expert matmul time at that row count (interpolated between measured counts, scaled
+        by params) times weight_bytes / 4, never below the large-matmul peak; without row timings the peak alone.
+        At a few rows the measured time is the weights streaming through the cache, so weights half as wide stream
+        in half the time (llama.cpp's f16 kernels do so: an fp32 time left as it is would understate them)."""
         if rows <= 0 or params <= 0:
             return 0.0
+        peak = 2 * rows * params / (self.matmul_gflops * 1e9)
         if not self.expert_seconds:
-            return 2 * rows * params / (self.matmul_gflops * 1e9)
+            return peak
         grid = sorted(self.expert_seconds)
         if rows >= grid[-1]:
             seconds = self.expert_seconds[grid[-1]] * rows / grid[-1]  # beyond the grid: the rate stays
@@ -83,7 +88,7 @@ class MachineRates:
             low = max(g for g in grid if g <= rows)
             share = 0.0 if high == low else (rows - low) / (high - low)
             seconds = self.expert_seconds[low] + share * (self.expert_seconds[high] - self.expert_seconds[low])
-        return seconds * params / self.expert_params
+        return max(seconds * params / self.expert_params * min(weight_bytes, 4) / 4, peak)
 
     def as_dict(self) -> dict:
         out = {"bandwidth_gbs": round(self.bandwidth_gbs, 2), "matmul_gflops": round(self.matmul_gflops, 2),
@@ -145,11 +150,13 @@ def step_bound_s(shape: DecodeShape, sequences: int, context: float, rates: Mach
     bandwidth = rates.bandwidth_gbs * 1e9
     dense_bytes = shape.other_params * shape.weight_bytes + sequences * context * shape.kv_bytes_per_token
     attention = sequences * context * shape.attention_flops_per_ctx_token / (rates.matmul_gflops * 1e9)
-    dense = max(dense_bytes / bandwidth, rates.matmul_seconds(sequences, shape.other_params) + attention)
+    dense = max(dense_bytes / bandwidth,
+                rates.matmul_seconds(sequences, shape.other_params, shape.weight_bytes) + attention)
     expert_read = shape.expert_params * shape.weight_bytes / bandwidth
 
     def layer_s(counts: Sequence[int]) -> float:
-        return sum(max(expert_read, rates.matmul_seconds(r, shape.expert_params)) for r in counts if r > 0)
+        return sum(max(expert_read, rates.matmul_seconds(r, shape.expert_params, shape.weight_bytes))
+                   for r in counts if r > 0)
 
     if rows is None:
         draws = uniform_rows(shape.experts, shape.top_k, sequences)
