@@ -282,8 +282,9 @@ def test_a_speedup_above_its_bound_is_flagged_and_said_to_be_noise_or_not():
     assert noisy["above_bound"] and not noisy["beyond_noise"]
     wrong = against_bound(2.1, [2.0, 2.2], bound)
     assert wrong["above_bound"] and wrong["beyond_noise"]
-    assert "ABOVE its bound 1.50x" in above_bound_note("x", wrong) and "missed something" in above_bound_note("x", wrong)
+    assert "ABOVE its bound 1.500x" in above_bound_note("x", wrong) and "missed something" in above_bound_note("x", wrong)
     assert "noise" in above_bound_note("x", noisy)
+    assert not against_bound(1.50049, [1.4, 1.6], bound)["above_bound"]  # efficiency 1.000 as reported: not above
 
 
 @pytest.mark.subprocess
