@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml scripts/build_llama_cpp.sh
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test]"
 	$(PY) -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-	@echo "building DeepSpeed's CPU shared-memory op once (30-90 s; cached in $(TORCH_EXTENSIONS_DIR))"
-	DS_ACCELERATOR=cpu $(PY) -c "import importlib; importlib.import_module('deepspeed.comm.torch').build_shm_op()" > .venv/ds-shm-build.log 2>&1 || (tail -20 .venv/ds-shm-build.log; exit 1)
+	@echo "building DeepSpeed's CPU shared-memory op once (30-90 s; cached in $(TORCH_EXTENSIONS_DIR), loaded from there by every launch)"
+	DS_ACCELERATOR=cpu $(PY) -c "from slimwise_train.distill.engine import prepare_shm_op; print('shm op:', prepare_shm_op())" > .venv/ds-shm-build.log 2>&1 || (tail -20 .venv/ds-shm-build.log; exit 1)
 	@echo "building llama.cpp (libllama + llama-server, for slimwise_train.serve) once per CPU kind: about 5-10 min on 2 cores"
 	bash scripts/build_llama_cpp.sh $(PY)
 	touch $(STAMP)

@@ -6,12 +6,14 @@ outputs/demo/report.md:
   2. distill the pruned decoder (2 ranks, ZeRO-2) torchrun --nproc_per_node 2 -m slimwise_train engine=zero2
   3. evaluate full / conventional / SlimWise / reverse / conventional+distill / SlimWise+distill
                                                   python -m slimwise_train.eval
-  4. decode-step speedup of the keep set at batch 64        python -m slimwise_train.bench decode
+  4. decode-step speed-up of the keep set at batch 64, beside its bound   python -m slimwise_train.bench decode
   5. serve in llama.cpp: the teacher, pruned and distilled decoders converted (python -m slimwise_train.serve gguf),
      the full prefill handed to each decoder for 4 problems per family (compared with the eval app's outputs), and
-     llama.cpp's decode speed-up at 64 sequences
+     llama.cpp's decode speed-up at 64 sequences, beside its bound
+Every speed-up in the report sits beside one bound measured in the same run (bench/roofline.py); one above its bound
+is flagged as not a result, and a run on a machine other processes shared says so.
 Environment knobs (for quick looks; the defaults are the demo): DEMO_STEPS, DEMO_EVAL_N, DEMO_RATIO, DEMO_TEACHER,
-DEMO_BENCH=0 (skip step 4: the speedup then comes from the expert-bytes model, labelled as such).
+DEMO_BENCH=0 (skip step 4: the speed-up then comes from the expert-bytes model, labelled as such).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's package for the in-process steps, as the app commands (cwd) get it
 OUT = REPO / "outputs" / "demo"
 STEPS = int(os.environ.get("DEMO_STEPS", 1000))
 EVAL_N = int(os.environ.get("DEMO_EVAL_N", 200))
@@ -79,8 +82,9 @@ def training_summary(train_dir: Path) -> list[str]:
     return lines
 
 
-def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[float, str]:
-    """(full / pruned decode-step time at batch 64, where the number comes from)."""
+def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[dict, str]:
+    """(the pruned decoder's decode-step speed-up at batch 64 with its bound: bench decode's against_bound cell, or
+    {"speedup": expert-bytes bound} when not measured, where the number comes from)."""
     config = json.loads((teacher_dir / "config.json").read_text())
     experts = int(config.get("num_experts") or config["num_local_experts"])
     top_k = int(config["num_experts_per_tok"])
@@ -91,7 +95,7 @@ def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[fl
         cmd = [sys.executable, "-m", "slimwise_train.bench", "decode", "--batches", str(BATCH), "--ratios", str(ratio),
                "--experts", str(experts), "--top-k", str(top_k)]
         print(f"\n=== bench decode: {' '.join(cmd)}\n(about 1-2 min on 2 cores: the full and pruned decode steps "
-              "timed in interleaved rounds, after a measurement of this machine's copy and matmul rates)", flush=True)
+              "timed in interleaved rounds, this machine's copy and matmul rates probed between them)", flush=True)
         start = time.time()
         # stderr streams through (the bench's progress: a line per batch size); stdout carries the result line
         proc = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True)
@@ -100,17 +104,45 @@ def decode_speedup(teacher_dir: Path, keep_set: Path, timings: dict) -> tuple[fl
             raise SystemExit(f"demo: bench decode failed (exit {proc.returncode}); see its output above")
         result = json.loads([line for line in proc.stdout.splitlines() if line.startswith('{"bench"')][-1])
         row = next(r for r in result["results"] if r["batch"] == BATCH)
-        low, high = row.get("speedup_quartiles", {}).get(str(ratio), (None, None))
-        noise = f"; quartiles over its {row['repeats']} rounds {low}-{high}x" if low is not None else ""
-        return row["speedup"][str(ratio)], (
+        cell = {**row["pruned"][str(ratio)], "repeats": row["repeats"], "machine": result["machine"]}
+        return cell, (
             f"measured in this run by `bench decode` (one decode step at batch {BATCH}, {experts} experts top-{top_k} "
-            f"as the teacher routes, {kept} kept; serving-scale expert matrices H1024 x I768 fp32, static KV cache{noise}; "
-            f"bytes bound {row['bytes_bound'][str(ratio)]}x; a busy machine measures less: compare runs on a quiet one)")
+            f"as the teacher routes, {kept} kept; serving-scale expert matrices H1024 x I768 fp32, static KV cache): "
+            f"{bound_sentence(cell)}")
     from slimwise_train.eval.report import touched_experts  # the eval report's bytes bound: one formula
 
     bound = touched_experts(experts, top_k, BATCH) / touched_experts(kept, top_k, BATCH)
-    return bound, (f"expert-bytes model, NOT measured (DEMO_BENCH=0): experts read per step at batch {BATCH} under "
-                   f"uniform top-{top_k} routing, {experts} vs {kept} experts")
+    return {"speedup": bound, "bound": None}, (
+        f"expert-bytes model, NOT measured (DEMO_BENCH=0): experts read per step at batch {BATCH} under uniform "
+        f"top-{top_k} routing, {experts} vs {kept} experts")
+
+
+def bound_sentence(cell: dict) -> str:
+    """A measured speed-up with its spread, its bound (spread, where it comes from), the efficiency, and what to make
+    of a speed-up above its bound or of a shared machine."""
+    low, high = cell["speedup_quartiles"]
+    b_low, b_high = cell["bound_quartiles"]
+    text = (f"**{cell['speedup']:.2f}x** (quartiles {low:.2f}-{high:.2f}x over {cell.get('repeats', 'its')} paired rounds) "
+            f"against this machine's bound {cell['bound']:.2f}x (quartiles {b_low:.2f}-{b_high:.2f}x over "
+            f"{cell['probes']} probes between the rounds: copy bandwidth and matmul times at the rows each expert "
+            f"gets, bench/roofline.py), efficiency {cell['efficiency']:.2f}")
+    if cell["above_bound"]:
+        text += (". **The speed-up is above its bound, so it is not a result**: "
+                 + ("beyond the noise of both, the bound missed something" if cell["beyond_noise"] else
+                    "within the noise (the quartiles overlap)"))
+    machine = cell.get("machine") or {}
+    if machine.get("shared"):
+        text += (f". **Shared machine**: other processes used {machine['other_cpu_share']:.0%} of its "
+                 f"{machine['cpus']} CPUs during the run; ratio and bound were measured side by side, but read both "
+                 "as approximate and compare with a run on a quiet machine")
+    return text
+
+
+def speed_cell(cell: dict) -> str:
+    """The mode table's decode-step cell: the speed-up, flagged when above its bound."""
+    if cell.get("bound") is not None and cell["above_bound"]:
+        return f"{cell['speedup']:.2f}x (ABOVE its bound {cell['bound']:.2f}x: not a result)"
+    return f"{cell['speedup']:.2f}x"
 
 
 def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: Path, timings: dict) -> list[str]:
@@ -148,15 +180,24 @@ def engine_step(teacher_dir: Path, prune_dir: Path, train_dir: Path, eval_dir: P
         equal = sum(recorded.get((mode, p.prompt)) == (t, c.length) for p, c, t in zip(chosen, outs, texts))
         correct = sum(synthetic.check(p.family, p.prompt, t, ended=c.end == "eos") for p, c, t in zip(chosen, outs, texts))
         lines.append(f"| {decoder} ({mode}) | {len(chosen)} | {equal}/{len(chosen)} | {correct}/{len(chosen)} |")
-    rows = time_gguf_variants({"full": files["teacher"], "pruned_" + RATIO: files["pruned"]}, [BATCH], 64, 16, 3,
-                              len(os.sched_getaffinity(0)), "f16", tokenizer.vocab_size, print)
-    speed = rows[0]["decode_speedup"][RATIO]
+    from transformers import AutoModelForCausalLM
+
+    from slimwise_train.bench.engine import add_bounds, engine_monitor
+
+    threads = len(os.sched_getaffinity(0))
+    ratio = float(RATIO)
+    model = AutoModelForCausalLM.from_pretrained(teacher_dir)
+    monitor = engine_monitor(model, [ratio], [BATCH], threads)
+    rows = time_gguf_variants({"full": files["teacher"], f"pruned_{ratio}": files["pruned"]}, [BATCH], 64, 16, 3,
+                              threads, "f16", tokenizer.vocab_size, print, between_rounds=lambda _: monitor.probe())
+    add_bounds(rows, model, [ratio], monitor, {BATCH: (0, None)}, 4, 2, 64 + 16 / 2, print)
+    cell = {**rows[0]["pruned"][str(ratio)], "repeats": 3, "machine": monitor.machine()}
     timings["serve"] = round(time.time() - start, 1)
-    return lines + ["", f"llama.cpp decode, {BATCH} sequences, {len(os.sched_getaffinity(0))} threads, f32 weights, "
-                        f"f16 KV: full {rows[0]['decode_tok_s']['full']:g} tok/s, pruned "
-                        f"{rows[0]['decode_tok_s']['pruned_' + RATIO]:g} tok/s: **{speed:.2f}x** (paired over 3 rounds). "
-                        "The teacher is tiny (hidden 128), so a step is dominated by per-op overheads, not expert "
-                        "bytes: `python -m slimwise_train.bench engine` measures a Qwen3-30B-A3B-sized layer."]
+    return lines + ["", f"llama.cpp decode, {BATCH} sequences, {threads} threads, f32 weights, f16 KV: full "
+                        f"{rows[0]['decode_tok_s']['full']:g} tok/s, pruned {rows[0]['decode_tok_s'][f'pruned_{ratio}']:g} "
+                        f"tok/s: {bound_sentence(cell)}. The teacher is tiny (hidden 128), so "
+                        "a step is dominated by per-op overheads, not expert bytes: `python -m slimwise_train.bench "
+                        "engine` measures a Qwen3-30B-A3B-sized layer."]
 
 
 def shared_expert_cost(export_dir: Path) -> str:
@@ -178,7 +219,7 @@ def shared_expert_cost(export_dir: Path) -> str:
     return f"{shared:,} parameters, {shared / max(routed, 1):.1%} of the kept routed experts', read every step"
 
 
-def mode_table(eval_dir: Path, speedup: float, source: str, student_dir: Path) -> list[str]:
+def mode_table(eval_dir: Path, measured: dict, source: str, student_dir: Path) -> list[str]:
     """What each mode buys (decode-step speed) next to what it costs (accuracy, lengths), pooled over families."""
     results = json.loads((eval_dir / "results.json").read_text())
     # what the distilled decoder adds to the pruned one: a shared expert (read per step) or nothing (LoRA merged)
@@ -193,16 +234,16 @@ def mode_table(eval_dir: Path, speedup: float, source: str, student_dir: Path) -
         if mode not in rows:
             continue
         row = rows[mode]
-        speed = 1.0 if decode_pool == "full" else speedup
+        speed = "1.00x" if decode_pool == "full" else speed_cell(measured)
         mark = f" ({student_note})" if decode_pool == "student" else ""
-        lines.append(f"| {mode} | {prefill_pool} | {decode_pool} | {speed:.2f}x{mark} | {row['accuracy']:.3f} | "
+        lines.append(f"| {mode} | {prefill_pool} | {decode_pool} | {speed}{mark} | {row['accuracy']:.3f} | "
                      f"{row['median_length']:g} / {row['p90_length']:g} | {row['hit_budget']:.3f} |")
-    return lines + ["", f"Decode-step speedup: {source}. Prefill runs the full pool in full, slimwise and "
+    return lines + ["", f"Decode-step speed-up: {source}. Prefill runs the full pool in full, slimwise and "
                         "slimwise_distill, so their time to first token is the full model's; conventional_distill "
                         "(prune + distill) serves the student alone, for prefill too."]
 
 
-def figures(eval_dir: Path, train_dir: Path, measured: float | None) -> dict[str, list[str]]:
+def figures(eval_dir: Path, train_dir: Path, measured: dict | None) -> dict[str, list[str]]:
     """The report's PNGs in OUT: {kind: [file names]}. The eval app's length CDFs and per-family bars are copied;
     the trade-off is redrawn on the measured `bench decode` speed-up when there is one (the eval app's uses the
     expert-bytes bound); the training curve comes from the distill run's metrics.jsonl."""
@@ -215,8 +256,10 @@ def figures(eval_dir: Path, train_dir: Path, measured: float | None) -> dict[str
             if kind == "tradeoff" and measured is not None:
                 name = src.stem[len("tradeoff_"):]
                 keep_set = name if name in results["keep_sets"] else None
-                speedups = {mode: 1.0 if POOLS[mode][1] == "full" else measured for mode in POOLS}
-                plot_tradeoff(results, keep_set, OUT / src.name, speedups=speedups)
+                speedups = {mode: 1.0 if POOLS[mode][1] == "full" else measured["speedup"] for mode in POOLS}
+                note = (f"ABOVE its bound {measured['bound']:.2f}x: not a result" if measured["above_bound"] else
+                        f"bound {measured['bound']:.2f}x")
+                plot_tradeoff(results, keep_set, OUT / src.name, speedups=speedups, axis_note=note)
             else:
                 shutil.copy(src, OUT / src.name)
             plots.setdefault(kind, []).append(src.name)
@@ -225,6 +268,22 @@ def figures(eval_dir: Path, train_dir: Path, measured: float | None) -> dict[str
                              title=f"demo distillation loss, {STEPS} steps")
         plots["training_curves"] = ["training_curves.png"]
     return plots
+
+
+def embedded_eval_report(eval_dir: Path) -> str:
+    """The eval app's report as the demo embeds it: re-rendered from its results.json without the expert-bytes
+    bound column when `bench decode` measured the speed-up (the mode table carries that and its own bound: one
+    bound per report)."""
+    from slimwise_train.eval.app import FIGURES
+    from slimwise_train.eval.report import render_markdown
+
+    if not BENCH:
+        return (eval_dir / "report.md").read_text()
+    results = json.loads((eval_dir / "results.json").read_text())
+    links = {name: [(caption, f"{figure}_{name or 'full'}.png") for figure, caption in FIGURES]
+             for name in list(results["keep_sets"]) or [None]}
+    header = [f"{key}: {results[key]}" for key in ("model", "student") if results.get(key)]  # as the eval app's
+    return render_markdown(results, header_lines=header, images=links, bytes_bound=False)
 
 
 def image(plots: dict[str, list[str]], kind: str) -> list[str]:
@@ -258,13 +317,20 @@ def main() -> int:
                  "eval.save_generations=true",
                  f"hydra.run.dir={eval_dir}"],
         timings)
+    return measure_and_report(timings, start)
+
+
+def measure_and_report(timings: dict[str, float], start: float) -> int:
+    """Steps 4 and 5 and the report, on the outputs of steps 1-3 in OUT."""
+    prune_dir, train_dir, eval_dir = OUT / f"reap-r{RATIO}", OUT / "distill", OUT / "eval"
+    keep_set = prune_dir / "keep_set.json"
     teacher_dir = Path(TEACHER) if TEACHER else REPO / "slimwise_train" / "assets" / "teacher"
-    speedup, speedup_source = decode_speedup(teacher_dir, keep_set, timings)
+    measured, speedup_source = decode_speedup(teacher_dir, keep_set, timings)
     serve_lines = engine_step(teacher_dir, prune_dir, train_dir, eval_dir, timings)
     total = round(time.time() - start, 1)
     prune_summary = json.loads((prune_dir / "prune_summary.json").read_text())
-    eval_report = (eval_dir / "report.md").read_text()
-    plots = figures(eval_dir, train_dir, speedup if BENCH else None)
+    eval_report = embedded_eval_report(eval_dir)
+    plots = figures(eval_dir, train_dir, measured if BENCH else None)
     lines = [
         "# SlimWise demo report", "",
         "Shipped teacher (`slimwise_train/assets/teacher`, stock Qwen3-MoE, 64 experts top-4) on the synthetic suite.",
@@ -272,7 +338,7 @@ def main() -> int:
         f"(routing mass kept per layer: {[round(m, 3) for m in prune_summary['kept_routing_mass']]}).",
         f"Distillation: {STEPS} steps, 2 ranks, DeepSpeed ZeRO-2 (`conf/experiment/demo.yaml`).",
         f"Wall time: {total} s in all ({', '.join(f'{k} {v} s' for k, v in timings.items())}).", "",
-        "## What each mode buys and costs", "", *mode_table(eval_dir, speedup, speedup_source, train_dir / "export"), "",
+        "## What each mode buys and costs", "", *mode_table(eval_dir, measured, speedup_source, train_dir / "export"), "",
         "## Evaluation", "", demoted(eval_report), "",
         "## Served by llama.cpp", "", *serve_lines, "",
         "## Accuracy against decode speed-up", "", *image(plots, "tradeoff"), "",

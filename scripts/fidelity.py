@@ -31,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from slimwise_train.commands import DOCS_VENV_NOTE  # noqa: E402
 from slimwise_train.eval.study import paired_difference as paired  # noqa: E402
 from slimwise_train.eval.metrics import collapse_share, length_stats  # noqa: E402
 from slimwise_train.eval.study import run_app  # noqa: E402
@@ -352,7 +353,7 @@ def render(measured: dict, eval_n: int, timings: dict) -> str:
     command = "python scripts/fidelity.py" + (f" --candidate {candidate}" if candidate else
                                               "" if len(measured) == len(TEACHERS) else
                                               " --teachers " + " ".join(measured))
-    lines = [f"# Does the method's evidence reproduce? ({date})", "",
+    lines = [f"# Does the method's evidence reproduce? ({date})", "", DOCS_VENV_NOTE, "",
              f"Written by `{command}` in one run ({sum(timings.values()) / 60:.0f} min of app calls on this "
              f"machine's {os.cpu_count()} CPU cores). {eval_n} held-out problems per family (the heldout stream, "
              "seed 0, which neither teacher nor student trained on), greedy, the budget 2 x the longest reference "

@@ -30,6 +30,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from slimwise_train.commands import DOCS_VENV_NOTE  # noqa: E402
+
 OUT = Path(os.environ.get("LORA_OUT", REPO / "outputs" / "lora_comparison"))
 STEPS = int(os.environ.get("LORA_STEPS", 1000))
 EVAL_N = int(os.environ.get("LORA_EVAL_N", 200))
@@ -138,7 +142,7 @@ def render(keep_sets, train_dirs, eval_dirs, base_dir, timings, total) -> str:
     base = rows_of(base_dir)
     lines = [
         ("# Stock-class student (no added module) vs the new-expert student" if "no_module" in PRESETS
-         else "# Stronger repair at high pruning: LoRA presets vs always-on"), "",
+         else "# Stronger repair at high pruning: LoRA presets vs always-on"), "", DOCS_VENV_NOTE, "",
         "Shipped teacher (`slimwise_train/assets/teacher`: stock Qwen3-MoE, 4 layers, 64 experts top-4), REAP "
         f"pruning, distillation `experiment=demo` (2 ranks, DeepSpeed ZeRO-2, lr 2e-3) for {STEPS} steps with the "
         "same seed and data for every preset, then the eval app's slimwise_distill mode (full prefill, distilled "

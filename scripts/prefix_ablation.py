@@ -23,7 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from slimwise_train.commands import DOCS_VENV_NOTE  # noqa: E402
 from slimwise_train.eval.study import paired_difference, run_app  # noqa: E402
+
 RATIOS = ("0.5", "0.75")
 TRAININGS = ("teacher", "student")
 MODES = ("slimwise_distill", "conventional_distill")
@@ -86,7 +88,7 @@ def main() -> None:
             results[(ratio, training)] = json.loads((eval_dir / "results.json").read_text())
 
     families = ["math", "code", "tool", "all"]
-    lines = [f"# Does the distilled student need the full prefill? ({time.strftime('%Y-%m-%d')})", "",
+    lines = [f"# Does the distilled student need the full prefill? ({time.strftime('%Y-%m-%d')})", "", DOCS_VENV_NOTE, "",
              f"`python scripts/prefix_ablation.py` on the shipped teacher: REAP, the demo's recipe (`experiment=demo`, "
              f"2 ranks ZeRO-2, {steps} steps, same seed and data), {eval_n} held-out problems per family, greedy. "
              "Cells: exact-match accuracy; differences are paired per problem (mean +- standard error).", "",

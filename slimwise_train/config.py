@@ -203,14 +203,15 @@ class SplitConfig:
     """distill.split: where each sequence is cut into the prefix (prefilled, its KV cache handed off) and the
     continuation the student predicts (distill/batches.py), and who prefills the prefix."""
 
+    # prefix_from=student runs one student forward over prefix + continuation, so it costs the student's activations
+    # on the prefix too (distill.memory.recompute cuts them; the memory planner counts the continuation only).
+    # Everything else is equal: the same split points, loss positions (the continuation only) and teacher targets (the
+    # full model over the whole sequence, computed exactly as with teacher).
+
     # who prefills the prefix the student continues on (PrefixFrom above). teacher: the full model's KV cache (the
-    # SlimWise design). student: the student prefills seq[:s] itself, WITH gradients (the continuation's loss flows
-    # back through its own K/V into the prefill, so it is trained end to end as the pruned model on the whole
-    # sequence, the counterpart of a student that prefills and decodes: eval mode conventional_distill); computed as
-    # one student forward over prefix + continuation, so it costs the student's activations on the prefix too
-    # (distill.memory.recompute cuts them; the memory planner counts the continuation only). Everything else is equal:
-    # the same split points, loss positions (the continuation only) and teacher targets (the full model over the whole
-    # sequence, computed exactly as with teacher). A run cannot resume with the other value.
+    # SlimWise design). student (an ablation): the student prefills seq[:s] itself, WITH gradients through its own
+    # K/V, so it is trained end to end as a pruned model that prefills and decodes (eval mode conventional_distill);
+    # it costs the student's activations on the prefix too. A run cannot resume with the other value.
     prefix_from: Annotated[str, PrefixFrom] = "teacher"
     # split point s ~ U[max(min_split, prompt_len if split_after_prompt else 0), len - min_continuation], over the whole
     # sequence (a conversation: all its turns); the loss covers the supervised tokens after it (data.supervise)
@@ -367,7 +368,7 @@ class PruneAppConfig:
     output_dir: str = MISSING
     device: str = "auto"
     progress: bool = True
-    extra: dict = field(default_factory=dict)  # test faults (testing/faults.py): kill_after_layer
+    extra: dict = field(default_factory=dict)  # test faults of the layerwise calibration (testing/faults.py): kill_after_layer
 
 
 @dataclass

@@ -174,3 +174,43 @@ def twin_folder(preset: str, seed: int = 0) -> Path:
         build_twin(preset, folder, seed=seed, overwrite=folder.exists(), log=lambda _: None)
         TWIN_BUILD_SECONDS[preset] = time.perf_counter() - start
     return folder
+
+# --------------------------------------------------------------------------- a checkout for the README's commands
+
+
+def checkout_like(folder: Path, venv: bool = False) -> Path:
+    """`folder` made to look like a clone to the README's commands, run from it: the package (which finds conf/ and
+    the assets beside itself) and, with `venv`, the venv linked in, the repository's .gitignore, all committed to a
+    git repository of its own, so that `untracked(folder)` lists whatever the commands leave outside git's ignores."""
+    import subprocess
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "slimwise_train").symlink_to(REPO / "slimwise_train")
+    if venv:
+        (folder / ".venv").symlink_to(REPO / ".venv")
+    (folder / ".gitignore").write_text((REPO / ".gitignore").read_text())
+    git = ["git", "-c", "user.name=test", "-c", "user.email=test@example.invalid", "-c", "init.defaultBranch=main"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "checkout"]):
+        subprocess.run([*git, *args], cwd=folder, check=True, capture_output=True)
+    return folder
+
+
+def untracked(folder: Path) -> list[str]:
+    """`git status --porcelain` of a `checkout_like` folder: what the commands left that git would show."""
+    import subprocess
+
+    out = subprocess.run(["git", "status", "--porcelain"], cwd=folder, check=True, capture_output=True, text=True)
+    return out.stdout.splitlines()
+
+
+def shell_without_venv() -> dict:
+    """The environment of a fresh shell that has not activated the venv: this session's variables without the venv's
+    bin folder on PATH or VIRTUAL_ENV, and no TORCH_EXTENSIONS_DIR (the Makefile's and the trainer's default are the
+    same folder)."""
+    import sys
+
+    venv_bin = os.path.realpath(os.path.dirname(sys.executable))
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) != venv_bin]
+    drop = {"VIRTUAL_ENV", "TORCH_EXTENSIONS_DIR", "PYTHONHOME"}
+    return {**{k: v for k, v in CHILD_ENV.items() if k not in drop}, "PATH": os.pathsep.join(path),
+            "WANDB_MODE": "disabled"}

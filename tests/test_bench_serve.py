@@ -36,8 +36,12 @@ def test_bench_serve_reports_guidellm_runs_ratios_bounds_and_targets(tmp_path):
         full, mine = teacher["runs"]["full"]["2"]["output_tok_s"], teacher["runs"][variant]["2"]["output_tok_s"]
         assert at["ratio"] == pytest.approx(mine / full, abs=2e-3) and at["bound"] >= 1.0
         assert at["efficiency"] == pytest.approx(at["ratio"] / at["bound"], abs=2e-3)
+        assert at["bound_quartiles"][0] <= at["bound"] <= at["bound_quartiles"][1] and at["probes"] == 1
         flagged = any(variant in flag for flag in result["flags"])
         assert flagged == (at["efficiency"] > 1)
+    # the machine probed beside the level's runs (bench/roofline.py), the other processes' CPU share measured
+    assert teacher["machine"]["probes"] == 1 and teacher["machine"]["bandwidth_gbs"][1] > 0
+    assert result["shared"] == teacher["machine"]["shared"]
     # every variant ran as a prefill and a decode server with the handoff between them
     assert all(h["bytes_per_request"] > 0 for h in teacher["handoff"].values())
     assert teacher["target_per_user_tok_s"] > 0 and set(result["targets_met"]) == {

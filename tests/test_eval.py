@@ -576,6 +576,7 @@ def test_demo_table_has_the_conventional_distill_row(distill_modes, tmp_path):
     import importlib.util
 
     from slimwise_train.eval.generation import MODES
+    from slimwise_train.eval.report import render_markdown
 
     spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
     demo = importlib.util.module_from_spec(spec)
@@ -583,11 +584,25 @@ def test_demo_table_has_the_conventional_distill_row(distill_modes, tmp_path):
     assert list(demo.POOLS) == list(MODES)  # the demo's eval step runs eval.modes=[every mode]
     results = {k: v for k, v in distill_modes["results"].items() if k != "runs"}
     (tmp_path / "results.json").write_text(json.dumps(results))
-    lines = demo.mode_table(tmp_path, 1.5, "a test", tmp_path / "no_export")
+    measured = {"speedup": 1.5, "speedup_quartiles": [1.4, 1.6], "bound": 1.8, "bound_quartiles": [1.7, 1.9],
+                "probes": 10, "efficiency": 0.833, "above_bound": False, "beyond_noise": False}
+    lines = demo.mode_table(tmp_path, measured, "a test", tmp_path / "no_export")
     modes = [line.split(" | ")[0][2:] for line in lines if line.startswith("| ")][1:]
     assert modes == list(MODES)
     row = next(line for line in lines if line.startswith("| conventional_distill |"))
     assert row.startswith("| conventional_distill | student | student | 1.50x (")
+    # a speed-up above its bound is never shown as a result: every pruned-decode cell says so
+    above = {**measured, "speedup": 2.12, "efficiency": 1.178, "above_bound": True, "beyond_noise": True}
+    lines = demo.mode_table(tmp_path, above, demo.bound_sentence(above), tmp_path / "no_export")
+    pruned = [line for line in lines if line.startswith("| ") and "2.12x" in line]
+    assert len(pruned) == 4 and all("2.12x (ABOVE its bound 1.80x: not a result)" in line for line in pruned)
+    assert "not a result" in lines[-1] and "bound missed something" in lines[-1]
+    shared = demo.bound_sentence({**measured, "machine": {"shared": True, "other_cpu_share": 0.6, "cpus": 2}})
+    assert "Shared machine" in shared and "60% of its 2 CPUs" in shared
+    # the eval report it embeds has no second bound beside the measured one
+    embedded = demo.embedded_eval_report(tmp_path)
+    assert "bytes bound" not in embedded and "| mode |" in embedded
+    assert "bytes bound" in render_markdown(results)
 
 
 def test_the_report_names_the_worst_family_and_the_expert_bytes_bound():

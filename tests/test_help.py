@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,36 @@ def test_help_refuses_a_bad_override_in_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.subprocess
+def test_no_description_is_cut(tmp_path):
+    """Every key of every app's help carries its schema comment whole (never cut mid-sentence): each field comment of
+    the typed schemas, matched to the keys of that field name, is in the key's description from its first word to
+    its last."""
+    import slimwise_train.config as config
+
+    comments = {}
+    for cls in vars(config).values():
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == config.__name__:
+            for name, text in field_comments(cls).items():
+                text = re.sub(r"\s*\((?:see )?[A-Z]\w+ above\)", "", " ".join(text.split()))
+                comments.setdefault(name, set()).add(text)
+    checked = set()
+    for app in ("train", "eval", "plan"):
+        out = help_of(app, ["--help"], tmp_path)
+        for line in out.split("\nkeys:", 1)[1].splitlines():
+            match = re.match(r"  ([\w.@/]+)=", line)
+            if not match:
+                continue
+            key = match.group(1)
+            _, description = key_entry(out, key)
+            description = re.sub(r"\s*\[one of: [^]]*\]$", "", description)
+            for comment in comments.get(key.rsplit(".", 1)[-1], ()):
+                if description.startswith(comment[:40]):
+                    assert description == comment, f"{app} --help cuts {key}: {description!r}"
+                    checked.add(key)
+    assert "distill.split.prefix_from" in checked and len(checked) > 60, sorted(checked)
+
+
 # --------------------------------------------------------------------------- descriptions from the schema source
 
 
@@ -181,6 +212,26 @@ def test_bench_decode_help_shows_the_defaults(capsys):
                             ("--dtype {fp32,bf16}", "fp32"), ("--cache {static,dynamic}", "static")):
         after = out.split(option, 2)[-1]
         assert f"(default: {default})" in " ".join(after.split()[:40]), (option, out)
+
+
+def test_every_flag_of_every_bench_has_its_help():
+    """`bench <name> --help` explains each flag in words, not only its default (bench serve's flags are its own)."""
+    import argparse
+
+    from slimwise_train.bench.cli import build_parser
+
+    (subparsers,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    silent = {}
+    for name, sub in subparsers.choices.items():
+        if name == "serve":
+            continue
+        for action in sub._actions:
+            if not action.option_strings or isinstance(action, argparse._HelpAction):
+                continue
+            words = re.sub(r"\(default: %\(default\)s\)", "", action.help or "").strip()
+            if len(words) < 8:
+                silent.setdefault(name, []).append(action.option_strings[0])
+    assert not silent, silent
 
 
 def test_a_tiny_preset_says_it_is_random(caplog, monkeypatch):

@@ -230,7 +230,7 @@ def test_training_curves_raw_smoothed_and_held_out(tmp_path, capture):
     (fig,) = capture
     (ax,) = fig.axes
     lines = {line.get_label(): line for line in ax.get_lines()}
-    raw = lines["train loss (each logged step)"]
+    raw = lines["train loss (each logged step, on its own training batch)"]
     assert list(raw.get_xdata()) == list(range(1, 31)) and list(raw.get_ydata()) == pytest.approx(losses)
     (smoothed,) = [line for label, line in lines.items() if label.startswith("train loss, smoothed")]
     assert list(smoothed.get_xdata()) == list(range(1, 31))
@@ -239,10 +239,51 @@ def test_training_curves_raw_smoothed_and_held_out(tmp_path, capture):
     assert ys[0] == pytest.approx(losses[0])  # bias-corrected: starts at the first value
     jumps = lambda v: sum(abs(a - b) for a, b in zip(v, v[1:]))  # noqa: E731
     assert jumps(ys) < 0.5 * jumps(losses)  # smoother than the raw line
-    held = lines["held-out loss (eval/loss, each evaluation)"]
+    held = lines["held-out loss (eval/loss: the same held-out sequences each time)"]
     assert list(held.get_xdata()) == list(evals) and list(held.get_ydata()) == pytest.approx(list(evals.values()))
     assert ax.get_yscale() == "linear" and ax.get_xlabel() == "optimizer step"
     assert "1 unreadable lines skipped" in ax.get_title()
+
+
+def test_training_curves_say_that_train_and_held_out_are_on_different_sequences(tmp_path, capture):
+    """The demo's case: the train batches sit below the held-out set from the start (0.27 vs 0.60 before training),
+    so the train curve lies flat below the held-out one; the figure rings both starts and writes each curve's change
+    from its own start, the numbers of the file."""
+    losses = [0.27] + [0.15 - 0.0005 * s for s in range(2, 101)]
+    evals = {0: 0.60, 50: 0.25, 100: 0.15}
+    plots.plot_training_curves(_metrics(tmp_path / "metrics.jsonl", losses, evals), tmp_path / "curves.png")
+    _png(tmp_path / "curves.png")
+    fig = capture[-1]
+    (ax,) = fig.axes
+    (ring,) = [line for line in ax.get_lines() if line.get_label().startswith("before training")]
+    assert list(ring.get_xdata()) == [1, 0] and list(ring.get_ydata()) == [0.27, 0.60]
+    (note,) = [t.get_text() for t in fig.texts]
+    end = plots.ema(losses, plots.smoothing_span(len(losses)))[-1]
+    assert "different sequences" in note
+    assert f"train 0.27 at step 1 -> {end:.3g} smoothed ({end / 0.27 - 1:+.0%})" in note
+    assert "held-out 0.6 at step 0 -> 0.15 at step 100 (-75%)" in note
+    # a resumed run (no step 1, no step 0 evaluation) has no start to read each curve against: no note
+    assert plots.start_to_end({6: 0.2, 7: 0.19}, {7: 0.3}) is None
+
+
+def test_the_smoothed_train_loss_weights_each_step_by_its_loss_tokens(tmp_path, capture):
+    """A step with a few loss tokens logs a mean far from the rest (the demo's 1e-4 among 0.1s): weighted by loss
+    tokens the trend stays where the tokens are, as the slow reference (a plain weighted EMA) says, and the axis stays
+    linear."""
+    losses = [0.1 if s % 5 else 1e-4 for s in range(1, 41)]
+    tokens = [400 if s % 5 else 20 for s in range(1, 41)]
+    rows = [json.dumps({"step": s, "loss": v, "loss_tokens": t}) for s, v, t in zip(range(1, 41), losses, tokens)]
+    (tmp_path / "m.jsonl").write_text("\n".join(rows) + "\n")
+    plots.plot_training_curves(tmp_path / "m.jsonl", tmp_path / "m.png")
+    (ax,) = capture[-1].axes
+    (smoothed,) = [line for line in ax.get_lines() if line.get_label().startswith("train loss, smoothed")]
+    assert "weighted by their loss tokens" in smoothed.get_label()
+    alpha, num, den, expected = 2 / (plots.smoothing_span(40) + 1), 0.0, 0.0, []
+    for v, t in zip(losses, tokens):
+        num, den = (1 - alpha) * num + alpha * t * v, (1 - alpha) * den + alpha * t
+        expected.append(num / den)
+    assert list(smoothed.get_ydata()) == pytest.approx(expected)
+    assert min(smoothed.get_ydata()) > 0.08 and ax.get_yscale() == "linear"
 
 
 def test_training_curves_go_log_over_a_decade_and_keep_a_resumed_steps_last_value(tmp_path, capture):
@@ -252,7 +293,7 @@ def test_training_curves_go_log_over_a_decade_and_keep_a_resumed_steps_last_valu
     plots.plot_training_curves(metrics, tmp_path / "curves.png")
     (ax,) = capture[-1].axes
     assert ax.get_yscale() == "log" and "log" in ax.get_ylabel()
-    raw = next(line for line in ax.get_lines() if line.get_label() == "train loss (each logged step)")
+    raw = next(line for line in ax.get_lines() if line.get_label().startswith("train loss (each logged step"))
     assert len(raw.get_xdata()) == 20 and raw.get_ydata()[-1] == 0.15
     # a few steps with a handful of loss tokens log losses near 0: they alone do not make the axis log
     spikes = [1e-6 if s in (5, 40) else 0.7 + 0.01 * (s % 3) for s in range(1, 61)]

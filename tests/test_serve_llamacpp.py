@@ -395,13 +395,21 @@ def test_bench_engine_reports_ratios_bounds_and_targets(tmp_path):
                            "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "engine" and result["threads"] == 1 and result["machine"]["bandwidth_gbs"] > 0
-    rows = result["results"]["teacher"]["rows"]
+    assert result["bench"] == "engine" and result["threads"] == 1
+    teacher = result["results"]["teacher"]
+    assert teacher["machine"]["probes"] == 2 * 2 and teacher["machine"]["bandwidth_gbs"][1] > 0  # after every round
+    assert isinstance(result["shared"], bool)
+    rows = teacher["rows"]
     assert [r["sequences"] for r in rows] == [1, 4]
     for row in rows:
-        assert set(row["decode_tok_s"]) == {"full", "pruned_0.5"} and row["bound"]["0.5"] >= 1.0
-        assert row["efficiency"]["0.5"] == pytest.approx(row["decode_speedup"]["0.5"] / row["bound"]["0.5"], abs=2e-3)
-    assert set(result["targets_met"]) == {"decode_speedup_at_64", "efficiency_at_64"}
+        cell = row["pruned"]["0.5"]
+        assert set(row["decode_tok_s"]) == {"full", "pruned_0.5"} and cell["bound"] >= 1.0 and cell["probes"] == 2
+        assert cell["efficiency"] == pytest.approx(cell["speedup"] / cell["bound"], abs=2e-3)
+        assert cell["above_bound"] == (cell["efficiency"] > 1)
+        assert ({"model": "teacher", "sequences": row["sequences"], "ratio": 0.5} in result["above_bound"]) == \
+            cell["above_bound"]
+        assert row["faster_than_bound"] == [v for v, x in row["roofline_fraction"].items() if x > 1]
+    assert set(result["targets_met"]) == {"decode_speedup_at_64", "efficiency_at_64", "within_bound"}
     assert list(tmp_path.iterdir()) == []  # the GGUF files of the run are gone
 
 
@@ -415,12 +423,15 @@ def test_readme_serve_block_runs_as_written(tmp_path):
     readme = (repo / "README.md").read_text()
     section = readme[readme.index("## Serve with llama.cpp"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    (tmp_path / "slimwise_train").symlink_to(repo / "slimwise_train")
+    from helpers import checkout_like, untracked
+
+    checkout = checkout_like(tmp_path / "checkout")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "HF_HUB_OFFLINE": "1",
            "XDG_CONFIG_HOME": str(tmp_path / "config")}  # the servers' API key file (written by the first server)
-    proc = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+    proc = subprocess.run(["bash", "-e", "-c", block], cwd=checkout, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outputs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"index"')]
     assert len(outputs) == 2 and outputs[0]["tokens"] == outputs[1]["tokens"] and outputs[0]["length"] > 0
-    assert (tmp_path / "teacher.gguf").is_file() and (tmp_path / "pruned.gguf").is_file()
+    assert (checkout / "outputs" / "teacher.gguf").is_file() and (checkout / "outputs" / "pruned.gguf").is_file()
+    assert untracked(checkout) == [], "the block left files outside outputs/"

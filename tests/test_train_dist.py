@@ -4,8 +4,8 @@ All runs: tiny Qwen3-MoE (hidden 32, 8 experts top-2), 12 steps of 8 sequences, 
 0.05 so clipping is active and must agree across engines. The student is the new-expert one (routers, norms, a new
 shared expert: distill.student.shared_expert_mode=new, distill/trainable=always_on), with which the tolerances below
 were measured; the default on this family (LoRA on the kept experts) runs under ZeRO-3 and DDP in tests/test_lora.py.
-The first DeepSpeed launch on a fresh machine JIT-builds its shm op into .cache/torch_extensions (~30-90 s once);
-later launches take a few seconds.
+The first DeepSpeed launch on a fresh machine builds its shm op into .cache/torch_extensions (~30-90 s once, `make`
+does it at set-up); later launches load it from there (distill/engine.py prepare_shm_op) and take a few seconds.
 
 Tolerances between engines: same global batch and split points, same normalisation, fp32. Measured max
 |trained tensor - DDP's|: ZeRO-2 1.1e-7, ZeRO-3 6.9e-6, one process with 2 accumulation micro-batches (same 8
@@ -251,3 +251,34 @@ def test_deepspeeds_zero_to_fp32_reads_our_checkpoints(runs, tmp_path):
     for key, value in ours.items():
         got = recovered.get(key, recovered.get(f"module.{key}"))
         assert got is not None and torch.equal(got.float(), value), key
+
+
+@pytest.mark.slow
+def test_deepspeeds_shm_op_builds_once_whichever_ninja_comes_first_on_path(tmp_path):
+    """Two DeepSpeed launches into a fresh extensions folder, the second with the PATH order reversed (the system's
+    ninja first instead of the venv's, the two ninja versions reading each other's .ninja_log as invalid): the first
+    builds the op and says so in one line, the second builds nothing (the library file and ninja's log untouched)."""
+    ext = tmp_path / "torch_extensions"
+    venv_bin = str(Path(sys.executable).parent)
+    rest = [p for p in os.environ["PATH"].split(os.pathsep) if p != venv_bin]
+    notice = "DeepSpeed: building its CPU shared-memory op once"
+
+    def run(path: list[str], name: str) -> str:
+        env = {**_env(), "TORCH_EXTENSIONS_DIR": str(ext), "PATH": os.pathsep.join(path)}
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               "-m", "slimwise_train", *TINY_TRAIN, *train_steps(1), "engine=zero2",
+                               f"hydra.run.dir={tmp_path / name}"], cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stdout + proc.stderr
+
+    first = run([venv_bin, *rest], "first")
+    library = ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so"
+    built = library.stat()
+    log = (ext / "deepspeed_shm_comm" / ".ninja_log").read_text()
+    assert first.count(notice) == 1, first[-3000:]
+    second = run([*rest, venv_bin], "second")
+    assert notice not in second, second[-3000:]
+    after = library.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (built.st_ino, built.st_mtime_ns), "the second launch rebuilt the op"
+    assert (ext / "deepspeed_shm_comm" / ".ninja_log").read_text() == log

@@ -60,7 +60,8 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
                 action.help = f"{help_text} (default: %(default)s)".strip()
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m slimwise_train.bench`: one subcommand per bench, every flag with its help."""
     from slimwise_train.utils.cli import OneLineParser
 
     parser = OneLineParser(prog="python -m slimwise_train.bench", description=USAGE,
@@ -68,29 +69,32 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="name", required=True)
     calib = sub.add_parser("calib", help="statistics collection vs plain no-grad forward")
     _model_args(calib)
-    calib.add_argument("--batches", type=int, default=4)
+    calib.add_argument("--batches", type=int, default=4, help="calibration batches of --batch x --seq tokens")
     phase = sub.add_parser("phase", help="phase-aware masking overhead")
     _model_args(phase)
     loss = sub.add_parser("loss", help="top-k + residual KL vs naive full-vocabulary KL: time, peak memory")
     loss.add_argument("--tokens", type=int, default=8192, help="tokens for the memory of the top-k + residual KL")
     loss.add_argument("--naive-tokens", type=int, default=2048,
                       help="tokens for the memory of the naive KL (at 8192 it needs ~30 GB on CPU)")
-    loss.add_argument("--vocab", type=int, default=151936)
-    loss.add_argument("--top-k", type=int, default=64)
-    loss.add_argument("--chunk", type=int, default=256)
+    loss.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's by default)")
+    loss.add_argument("--top-k", type=int, default=64, help="teacher tokens the KL keeps besides one residual bucket")
+    loss.add_argument("--chunk", type=int, default=256, help="tokens per chunk of the fused loss")
     loss.add_argument("--time-tokens", type=int, default=1024, help="tokens for the timing part")
-    loss.add_argument("--repeats", type=int, default=3)
+    loss.add_argument("--repeats", type=int, default=3, help="timed rounds of both losses, in turn")
     decode = sub.add_parser("decode", help="one batched decode step: full, masked, pruned 25/50/75%%")
     # 8 of 128 experts as Qwen3-30B-A3B routes (the paper's models route 8 of 128 or 256). I768 puts 1.2 GB of fp32
     # experts in a layer, the bytes of Qwen3-30B-A3B's bf16 experts: the per-op costs of attention, router and cache
     # do not grow with the experts, so at I256 (400 MB) they took 28% of the batch-64 step, at I512 6-12%.
-    _model_args(decode, hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=768, vocab=2048, repeats=15)
-    decode.add_argument("--batches", default="1,8,32,64")
-    decode.add_argument("--ratios", default="0.25,0.5,0.75")
-    decode.add_argument("--prompt", type=int, default=256)
+    _model_args(decode, without=("batch", "seq"), hidden=1024, layers=2, experts=128, top_k=8, moe_intermediate=768,
+                vocab=2048, repeats=15)
+    decode.add_argument("--batches", default="1,8,32,64", help="comma-separated sequences decoded together, one row each")
+    decode.add_argument("--ratios", default="0.25,0.5,0.75",
+                        help="comma-separated shares of the experts removed per layer (one pruned variant each; the "
+                             "masked variant uses 0.5, or the first)")
+    decode.add_argument("--prompt", type=int, default=256, help="tokens already in each sequence's KV cache")
     decode.add_argument("--kv-heads", type=int, default=2,
                         help="key/value heads of 64 (default 2: 8 query heads per KV head, as Qwen3-30B-A3B's 32/4)")
-    decode.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    decode.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weights, activations and KV cache")
     decode.add_argument("--min-seconds", type=float, default=2.0,
                         help="timed seconds per variant and batch size at least (more repeats for small batches)")
     decode.add_argument("--warmup", type=int, default=4,
@@ -100,30 +104,30 @@ def main(argv=None) -> int:
                         help="KV cache: preallocated and written in place (static, as serving engines do) or HF's "
                              "DynamicCache, which re-copies it on every step")
     memory = sub.add_parser("memory", help="per-rank memory of the trainer on a saved checkpoint, per engine (2 ranks)")
-    memory.add_argument("--hidden", type=int, default=512)
-    memory.add_argument("--layers", type=int, default=8)
-    memory.add_argument("--experts", type=int, default=32)
-    memory.add_argument("--top-k", type=int, default=4)
-    memory.add_argument("--moe-intermediate", type=int, default=512)
-    memory.add_argument("--vocab", type=int, default=32768)
-    memory.add_argument("--seq-len", type=int, default=256)
-    memory.add_argument("--batch", type=int, default=2)
-    memory.add_argument("--steps", type=int, default=2)
-    memory.add_argument("--nproc", type=int, default=2)
+    memory.add_argument("--hidden", type=int, default=512, help="hidden size of the saved checkpoint")
+    memory.add_argument("--layers", type=int, default=8, help="decoder layers, each an MoE layer")
+    memory.add_argument("--experts", type=int, default=32, help="routed experts per MoE layer")
+    memory.add_argument("--top-k", type=int, default=4, help="experts each token is routed to")
+    memory.add_argument("--moe-intermediate", type=int, default=512, help="intermediate size of one expert")
+    memory.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
+    memory.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence (data.seq_len)")
+    memory.add_argument("--batch", type=int, default=2, help="sequences per rank and micro-batch (data.batch_size)")
+    memory.add_argument("--steps", type=int, default=2, help="training steps each engine runs")
+    memory.add_argument("--nproc", type=int, default=2, help="ranks torchrun starts per engine")
     memory.add_argument("--engines", default="torch,zero2,zero3,zero3_recompute",
                         help=f"comma-separated, of {', '.join(MEMORY_ENGINES)}")
     prune = sub.add_parser("prune", help="peak RSS of pruning a saved checkpoint: whole model vs layer by layer, "
                            "and the exports (deep copy, from memory, streamed from the files); a process each")
-    prune.add_argument("--hidden", type=int, default=512)
-    prune.add_argument("--layers", type=int, default=8)
-    prune.add_argument("--experts", type=int, default=32)
-    prune.add_argument("--top-k", type=int, default=4)
-    prune.add_argument("--moe-intermediate", type=int, default=512)
-    prune.add_argument("--vocab", type=int, default=32768)
+    prune.add_argument("--hidden", type=int, default=512, help="hidden size of the saved Qwen3-MoE checkpoint")
+    prune.add_argument("--layers", type=int, default=8, help="its decoder layers (all MoE)")
+    prune.add_argument("--experts", type=int, default=32, help="routed experts per layer")
+    prune.add_argument("--top-k", type=int, default=4, help="experts each token is routed to")
+    prune.add_argument("--moe-intermediate", type=int, default=512, help="one expert's intermediate size")
+    prune.add_argument("--vocab", type=int, default=32768, help="vocabulary size")
     prune.add_argument("--shard-mb", type=int, default=100, help="the saved checkpoint's shard size in MB")
     prune.add_argument("--samples", type=int, default=64, help="calibration sequences")
-    prune.add_argument("--seq-len", type=int, default=256)
-    prune.add_argument("--batch", type=int, default=8)
+    prune.add_argument("--seq-len", type=int, default=256, help="tokens per calibration sequence")
+    prune.add_argument("--batch", type=int, default=8, help="calibration sequences per forward")
     prune.add_argument("--variants", default=",".join(PRUNE_VARIANTS), help=f"comma-separated, of {', '.join(PRUNE_VARIANTS)}")
     train = sub.add_parser("train", help="distillation step: ours vs naive two-copy step vs lower bound; memory")
     _model_args(train, hidden=512, layers=4, experts=32, top_k=4, moe_intermediate=256, vocab=32768, batch=4, seq=256,
@@ -133,26 +137,29 @@ def main(argv=None) -> int:
     train.add_argument("--chunk", type=int, default=1024, help="distill.loss.chunk_size of the loss")
     train.add_argument("--split", default="0.5",
                        help="split point as a fraction of --seq for every row, or 'random' (s ~ U{1..seq-2} per row)")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--seed", type=int, default=0, help="seed of the random model, data and split points")
     lm_eval = sub.add_parser("lm_eval", help="lm-eval's slimwise model vs the eval app: same numbers, wall time")
-    lm_eval.add_argument("--teacher", default="slimwise_train/assets/teacher")
-    lm_eval.add_argument("--keep-set", default="outputs/demo/reap-r0.5/keep_set.json")
-    lm_eval.add_argument("--student", default="outputs/demo/distill/export")
-    lm_eval.add_argument("--num-per-family", type=int, default=200)
-    lm_eval.add_argument("--batch-size", type=int, default=32)
-    lm_eval.add_argument("--output-dir", default="outputs/bench/lm_eval")
+    lm_eval.add_argument("--teacher", default="slimwise_train/assets/teacher", help="the full model's folder")
+    lm_eval.add_argument("--keep-set", default="outputs/demo/reap-r0.5/keep_set.json",
+                         help="keep_set.json of the pruned modes (make demo writes this one)")
+    lm_eval.add_argument("--student", default="outputs/demo/distill/export",
+                         help="the distilled export of the *_distill modes (make demo writes this one)")
+    lm_eval.add_argument("--num-per-family", type=int, default=200, help="held-out problems per family")
+    lm_eval.add_argument("--batch-size", type=int, default=32, help="problems generated together, in both tools")
+    lm_eval.add_argument("--output-dir", default="outputs/bench/lm_eval", help="where both tools write their runs")
     engine = sub.add_parser("engine", help="llama.cpp decode/prefill throughput, full vs pruned, with this machine's "
                             "roofline bound")
     engine.add_argument("--models", default="teacher,bench",
                         help="teacher (the shipped one) and/or bench (bench decode's shape: L2 H1024 E128 top-8 I768)")
     engine.add_argument("--batches", default="1,16,64", help="sequences decoded together")
-    engine.add_argument("--ratios", default="0.25,0.5,0.75")
+    engine.add_argument("--ratios", default="0.25,0.5,0.75",
+                        help="comma-separated shares of the experts removed per layer (one pruned GGUF each)")
     engine.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     engine.add_argument("--steps", type=int, default=16, help="decode steps timed per round")
     engine.add_argument("--repeats", type=int, default=3, help="timed rounds (one untimed round first)")
     engine.add_argument("--threads", type=int, default=None, help="default: the CPUs this process may use")
-    engine.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16"])
-    engine.add_argument("--kv-type", default="f16", choices=["f16", "f32"])
+    engine.add_argument("--outtype", default="f16", choices=["f32", "f16", "bf16"], help="GGUF weight type")
+    engine.add_argument("--kv-type", default="f16", choices=["f16", "f32"], help="llama.cpp's KV cache type")
     engine.add_argument("--work-dir", default=None, help="where the GGUF files go for the run (default: the temp dir)")
     serve = sub.add_parser("serve", help="`serve up` endpoints under GuideLLM load: full, pruned and SlimWise at 50/75%%, "
                            "throughput at a per-user speed target beside the roofline bound")
@@ -176,7 +183,11 @@ def main(argv=None) -> int:
     serve.add_argument("--work-dir", default=None, help="where the GGUF files and GuideLLM's reports go for the run "
                        "(default: the temp dir; removed at the end)")
     _show_defaults(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     result = BENCHES[args.name](args)
     print(json.dumps(result), flush=True)
     return 0

@@ -15,19 +15,23 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device) -> dict[str, list[float]]:
-    """Run each callable `repeats` times in round-robin order (after `warmup` rounds); seconds per run."""
+def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int, warmup: int, device,
+                      between_rounds: Callable[[int], None] | None = None) -> dict[str, list[float]]:
+    """Run each callable `repeats` times in round-robin order (after `warmup` rounds); seconds per run.
+    `between_rounds(i)` runs untimed after timed round i (a machine probe beside the rounds: bench/roofline.py)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
+    for i in range(repeats):
         for name, fn in fns.items():
             _sync(device)
             start = time.perf_counter()
             fn()
             _sync(device)
             times[name].append(time.perf_counter() - start)
+        if between_rounds is not None:
+            between_rounds(i)
     return times
 
 
@@ -51,18 +55,29 @@ def bench_model(model_type: str, hidden: int, layers: int, experts: int, top_k: 
 
 
 
-def _model_args(parser, **defaults):
-    parser.add_argument("--model-type", default=defaults.get("model_type", "qwen3_moe"))
-    parser.add_argument("--hidden", type=int, default=defaults.get("hidden", 256))
-    parser.add_argument("--layers", type=int, default=defaults.get("layers", 4))
-    parser.add_argument("--experts", type=int, default=defaults.get("experts", 32))
-    parser.add_argument("--top-k", type=int, default=defaults.get("top_k", 4))
-    parser.add_argument("--moe-intermediate", type=int, default=defaults.get("moe_intermediate", 256))
-    parser.add_argument("--vocab", type=int, default=defaults.get("vocab", 4096))
-    parser.add_argument("--batch", type=int, default=defaults.get("batch", 8))
-    parser.add_argument("--seq", type=int, default=defaults.get("seq", 256))
-    parser.add_argument("--repeats", type=int, default=defaults.get("repeats", 5))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+def _model_args(parser, without: tuple[str, ...] = (), **defaults):
+    """The flags of the random bench model (bench_model) and the timing, each with its help; `without`: flags this
+    bench does not read (left out of its --help and its namespace)."""
+    flags = [
+        ("--model-type", dict(default=defaults.get("model_type", "qwen3_moe"),
+                              help="MoE family of the random model (a model_type with an adapter)")),
+        ("--hidden", dict(type=int, default=defaults.get("hidden", 256), help="hidden size (heads of 64)")),
+        ("--layers", dict(type=int, default=defaults.get("layers", 4), help="decoder layers, each an MoE layer")),
+        ("--experts", dict(type=int, default=defaults.get("experts", 32), help="routed experts per MoE layer")),
+        ("--top-k", dict(type=int, default=defaults.get("top_k", 4), help="experts each token is routed to")),
+        ("--moe-intermediate", dict(type=int, default=defaults.get("moe_intermediate", 256),
+                                    help="intermediate size of one expert")),
+        ("--vocab", dict(type=int, default=defaults.get("vocab", 4096), help="vocabulary size")),
+        ("--batch", dict(type=int, default=defaults.get("batch", 8), help="sequences per batch")),
+        ("--seq", dict(type=int, default=defaults.get("seq", 256), help="tokens per sequence")),
+        ("--repeats", dict(type=int, default=defaults.get("repeats", 5),
+                           help="timed rounds (each runs every variant once, in turn; ratios are paired per round)")),
+        ("--device", dict(default="cuda" if torch.cuda.is_available() else "cpu",
+                          help="cpu or cuda (default: cuda when one is visible)")),
+    ]
+    for flag, kwargs in flags:
+        if flag.removeprefix("--") not in without:
+            parser.add_argument(flag, **kwargs)
 
 
 def _peak_rss_bytes() -> int:

@@ -14,7 +14,8 @@ endpoints of a model run at once (idle ones cost nothing); each round measures e
 level every variant in turn, in an order that rotates from level to level, with the machine's bandwidth and matmul
 rate measured just before the level's runs (beside them, not once at the start): a slow spell of a shared machine
 hits all variants. A level's numbers are medians over the rounds; its ratios are medians of the ratios paired
-within a round; its bound is the most generous one of the rates measured beside it.
+within a round; its bound (bench/roofline.py's RooflineMonitor: copy bandwidth and expert matmuls at the row counts
+that occur) is the median over the probes taken beside that level's runs, with its quartiles.
 
 Per run (GuideLLM's own numbers): aggregate output tokens/s (every output token but a request's first comes from
 the decode phase), per-user decode speed (1000 / inter-token latency in ms: p50, and p90 = the speed 90% of
@@ -41,25 +42,10 @@ from pathlib import Path
 
 import httpx
 
-from slimwise_train.bench.engine import GGUF_BYTES, TEACHER, _variants
-
-def roofline_bound(model, weight_bytes: float, kv_bytes: float, ratio: float, sequences: int, context: float,
-                   rates) -> float:
-    """full / pruned roofline time of one decode step of `sequences` sequences (bench/roofline.py's model: bytes
-    and FLOPs against `rates` measured on this machine). The one place this bench calls the roofline."""
-    from slimwise_train.bench.roofline import decode_shape, step_bound_s
-    from slimwise_train.prune.criteria import num_to_keep
-
-    shape = decode_shape(model, weight_bytes, kv_bytes)
-    pruned = shape.with_experts(num_to_keep(shape.experts, ratio))
-    return step_bound_s(shape, sequences, context, rates) / step_bound_s(pruned, sequences, context, rates)
-
-
-def measure_rates(threads: int):
-    from slimwise_train.bench.roofline import measure_machine
-
-    return measure_machine(threads, megabytes=256, repeats=3)
-
+from slimwise_train.bench.engine import GGUF_BYTES, TEACHER, _variants, engine_monitor
+from slimwise_train.bench.roofline import (above_bound_note, against_bound, decode_shape, quartiles, shared_note,
+                                           step_bound_s)
+from slimwise_train.prune.criteria import num_to_keep
 
 class _Endpoint:
     """One `serve up` child process for a variant."""
@@ -106,6 +92,20 @@ class _Endpoint:
             return {}
         return {"bytes_per_request": round(values["slimwise_handoff_bytes_total"] / count),
                 "ms_per_request": round(1000 * values["slimwise_handoff_seconds_sum"] / count, 3)}
+
+    def pids(self) -> list[int]:
+        """The `serve up` process and its descendants (the llama-servers), from /proc (Linux; [] elsewhere)."""
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo.extend(int(child) for child in f.read().split())
+            except OSError:
+                continue
+        return found
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -184,17 +184,21 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
     files = _variants(name, model, tokenizer, ratios, args.outtype, root, log)
     endpoints: dict[str, _Endpoint] = {}
     rounds: dict[str, dict[int, list[dict]]] = {}
-    rates_at: dict[int, list] = {c: [] for c in concurrencies}
+    monitor = engine_monitor(model, ratios, concurrencies, threads)
+    probes_at: dict[int, list[int]] = {c: [] for c in concurrencies}  # the probes taken beside each level's runs
     try:
         for variant, (prefill, decode) in _variant_files(files, ratios).items():
             endpoints[variant] = _Endpoint(f"{name}_{variant}", prefill, decode, max(concurrencies), threads, root)
             rounds[variant] = {c: [] for c in concurrencies}
+        # the endpoints' and their llama-servers' CPU time is this bench's own, not another job's
+        monitor.cpu.own_pids = [pid for e in endpoints.values() for pid in e.pids()]
+        monitor.cpu.start()
         order = list(endpoints)
         step = 0
         for round_index in range(args.rounds):
             for c in concurrencies:
-                rates = measure_rates(threads)
-                rates_at[c].append(rates)
+                rates = monitor.probe()
+                probes_at[c].append(len(monitor.samples) - 1)
                 log(f"bench serve: {name}, round {round_index + 1}, concurrency {c}: copy {rates.bandwidth_gbs:.1f} "
                     f"GB/s, matmul {rates.matmul_gflops:.1f} GFLOP/s")
                 shift = step % len(order)
@@ -202,6 +206,7 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
                 for variant in order[shift:] + order[:shift]:
                     rounds[variant][c].append(run_guidellm(endpoints[variant], c, max(args.min_requests, 4 * c),
                                                            args.prompt, args.output, root, log))
+        machine = monitor.machine()
         handoff = {v: endpoints[v].handoff() for v in endpoints}
     finally:
         for endpoint in endpoints.values():
@@ -214,11 +219,13 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
                                         1)
     kv_bytes = {"f16": 2, "f32": 4}["f16"]
     context = args.prompt + args.output / 2
+    shape = decode_shape(model, GGUF_BYTES[args.outtype], kv_bytes)
 
-    def bound_at(r: float, c: int) -> float:
-        # the most generous of the bounds from the rates measured beside this level's rounds
-        return max(roofline_bound(model, GGUF_BYTES[args.outtype], kv_bytes, r, c, context, rates)
-                   for rates in rates_at[c])
+    def bound_at(r: float, c: int) -> dict:
+        """The decode step's bound at `c` sequences over the probes beside that level's runs."""
+        pruned = shape.with_experts(num_to_keep(shape.experts, r))
+        return monitor.bound(lambda rates: step_bound_s(shape, c, context, rates),
+                             lambda rates: step_bound_s(pruned, c, context, rates), probes=probes_at[c])
 
     best = {}
     for variant, by_c in rows.items():
@@ -232,25 +239,27 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
         r = float(variant.split("_")[1])
         per_c = {}
         for c in concurrencies:
-            bound = bound_at(r, c)
             # paired within a round: both ran back to back, a slow spell of the machine scales both
-            ratio = statistics.median(a["output_tok_s"] / b["output_tok_s"]
-                                      for a, b in zip(rounds[variant][c], rounds["full"][c]))
+            paired = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(rounds[variant][c], rounds["full"][c])]
             per_user = statistics.median(a["per_user_tok_s"]["p50"] / b["per_user_tok_s"]["p50"]
                                          for a, b in zip(rounds[variant][c], rounds["full"][c]))
-            per_c[c] = {"ratio": round(ratio, 3), "per_user_ratio": round(per_user, 3), "bound": round(bound, 3),
-                        "efficiency": round(ratio / bound, 3)}
-            if ratio / bound > 1:
-                flags.append(f"{name} {variant} at {c}: ratio {ratio:.3f} above its bound {bound:.3f}")
+            cell = against_bound(statistics.median(paired), quartiles(paired), bound_at(r, c))
+            per_c[c] = {"ratio": cell.pop("speedup"), "ratio_quartiles": cell.pop("speedup_quartiles"),
+                        "per_user_ratio": round(per_user, 3), **cell}
+            if cell["above_bound"]:
+                flags.append(above_bound_note(f"{name} {variant} at concurrency {c}, output tokens/s",
+                                              {"speedup": per_c[c]["ratio"], **cell}))
         entry = {"at_concurrency": per_c}
         if best[variant]["output_tok_s"] and best["full"]["output_tok_s"]:
             c_best = best[variant]["concurrency"]
-            bound = bound_at(r, c_best)
             ratio = best[variant]["output_tok_s"] / best["full"]["output_tok_s"]
-            entry["best_under_target"] = {"ratio": round(ratio, 3), "bound": round(bound, 3),
-                                          "efficiency": round(ratio / bound, 3)}
-            if ratio / bound > 1:
-                flags.append(f"{name} {variant} best under target: ratio {ratio:.3f} above its bound {bound:.3f}")
+            # the medians of two levels: no paired spread, so the ratio reads against the bound's own quartiles
+            cell = against_bound(ratio, [ratio, ratio], bound_at(r, c_best))
+            cell.pop("speedup_quartiles")
+            entry["best_under_target"] = {"ratio": cell.pop("speedup"), "concurrency": c_best, **cell}
+            if cell["above_bound"]:
+                flags.append(above_bound_note(f"{name} {variant} best under target (concurrency {c_best})",
+                                              {"speedup": round(ratio, 3), **cell}))
         ratios_out[variant] = entry
     return {"model": f"qwen3_moe L{model.config.num_hidden_layers} H{model.config.hidden_size} "
                      f"E{model.config.num_experts} top{model.config.num_experts_per_tok} ({args.outtype})",
@@ -258,7 +267,7 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
             "target_rule": (f"--target-tok-s {args.target_tok_s}" if args.target_tok_s else
                             f"{args.target_fraction} x the full model's p50 per-user speed at concurrency "
                             f"{concurrencies[0]}"),
-            "machine": {c: [rates.as_dict() for rates in rs] for c, rs in rates_at.items()},
+            "machine": machine,
             "runs": {v: {str(c): row for c, row in by_c.items()} for v, by_c in rows.items()},
             "best_under_target": best, "ratios_vs_full": ratios_out, "handoff": handoff, "flags": flags}
 
@@ -311,6 +320,13 @@ def _run(args) -> dict:
             results[name] = _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios, Path(tmp),
                                            log)
     flags = [f for r in results.values() for f in r["flags"]]
+    for flag in flags:
+        log(flag)
+    for r in results.values():
+        note = shared_note(r["machine"], "bench serve")
+        if note:
+            log(note)
+            break
     errored = sum(row["errored"] for r in results.values() for runs in r["runs"].values() for row in runs.values())
     headline = {}
     for name, r in results.items():
@@ -326,5 +342,6 @@ def _run(args) -> dict:
             "engine": f"llama.cpp ({llama_cpp_home().name})", "threads_per_llama_server": threads,
             "gpu": os.environ.get("SLIMWISE_LLAMA_CPP_GPU") == "1", "prompt_tokens": args.prompt,
             "output_tokens": args.output, "concurrency": concurrencies, "rounds": args.rounds,
+            "shared": any(r["machine"]["shared"] for r in results.values()),
             "headline_best_under_target": headline,
             "results": results, "flags": flags, "targets": targets, "targets_met": targets_met}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -262,16 +263,97 @@ def _init_single_process_group(backend: str) -> None:
     dist.init_process_group(backend=backend, rank=0, world_size=1)
 
 
-def _setup_deepspeed(engine_cfg, device: torch.device):
-    """Import deepspeed with its process group; JIT-built ops (the shm comm op) go to a cache folder we control."""
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory collectives, JIT-built by torch's cpp_extension
+SHM_STAMP = "slimwise-build.json"  # beside the built op: what it was built from (shm_op_stamp)
+
+
+def _extensions_dir() -> Path:
+    """Where JIT-built ops go: TORCH_EXTENSIONS_DIR, defaulting to <repo>/.cache/torch_extensions (the Makefile's)."""
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".cache" / "torch_extensions"))
+    return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def shm_op_stamp(builder) -> dict:
+    """Everything the built shm op depends on: versions, the sources' bytes and the compiler flags. The op is loaded
+    from its folder only while this matches what the folder's stamp recorded at its build."""
+    import hashlib
+    import platform
+
+    import deepspeed
+
+    digest = hashlib.sha256()
+    for source in builder.sources():
+        digest.update(Path(builder.deepspeed_src_path(source)).read_bytes())
+    return {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "sources_sha256": digest.hexdigest(),
+            "cxx_args": builder.strip_empty_entries(builder.cxx_args())}
+
+
+@contextlib.contextmanager
+def _pinned_ninja():
+    """PATH with one ninja first for the build: the venv's own (pip's ninja) when it has one, else the first on PATH.
+    torch runs `ninja` from PATH, and two ninja versions (a system 1.11 and the venv's 1.13) discard each other's
+    .ninja_log, so which one a launch found decided whether it rebuilt the op from scratch."""
+    import shutil
+    import sys
+
+    own = Path(sys.executable).parent / "ninja"
+    ninja = own if own.is_file() and os.access(own, os.X_OK) else shutil.which("ninja")
+    if ninja is None:
+        raise RuntimeError("DeepSpeed's CPU shared-memory op needs ninja to build once: `pip install ninja` into the "
+                           "venv (make venv does), then launch again")
+    previous = os.environ.get("PATH", "")
+    os.environ["PATH"] = f"{Path(ninja).parent}{os.pathsep}{previous}"
+    try:
+        yield Path(ninja)
+    finally:
+        os.environ["PATH"] = previous
+
+
+def prepare_shm_op() -> str:
+    """Make DeepSpeed's CPU shm op available without a JIT check: load it from its build folder when the folder's
+    stamp matches `shm_op_stamp`, else build it once (one line says so) with a pinned ninja and record the stamp.
+    DeepSpeed's own `build_shm_op` then finds it in its op cache and builds nothing. Returns what happened:
+    "loaded", "built" or "unavailable" (DeepSpeed then uses gloo's collectives)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from torch.utils.cpp_extension import _get_build_directory, _import_module_from_library
+
+    from slimwise_train.utils.atomic import write_json_atomic
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
+        return "unavailable"
+    # the class whose `load` keeps the op cache (`__class__._loaded_ops` in DeepSpeed's OpBuilder.load)
+    cache = next(c for c in type(builder).__mro__ if "load" in c.__dict__)._loaded_ops
+    if builder.NAME in cache:
+        return "loaded"
+    folder = Path(_get_build_directory(builder.NAME, verbose=False))
+    stamp = shm_op_stamp(builder)
+    stamp_file = folder / SHM_STAMP
+    try:
+        recorded = json.loads(stamp_file.read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if recorded == stamp and (folder / f"{builder.NAME}.so").is_file():
+        cache[builder.NAME] = _import_module_from_library(builder.NAME, str(folder), True)
+        return "loaded"
+    with _pinned_ninja() as ninja:
+        if du.is_rank0():
+            log.warning("DeepSpeed: building its CPU shared-memory op once with %s (30-90 s; cached in %s, loaded "
+                        "from there by every later launch)", ninja, folder)
+        builder.load(verbose=False)  # the other ranks wait on torch's lock in the folder, then import the result
+    write_json_atomic(stamp_file, stamp)
+    return "built"
+
+
+def _setup_deepspeed(engine_cfg, device: torch.device):
+    """Import deepspeed with its process group; the JIT-built shm op is built once and loaded (prepare_shm_op)."""
+    _extensions_dir()
     if device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        built = list(Path(os.environ["TORCH_EXTENSIONS_DIR"]).glob("**/deepspeed_shm_comm*.so"))
-        if not built and du.is_rank0():
-            # Otherwise the first start shows only compiler lines for 30-90 s.
-            log.warning("DeepSpeed is building its CPU shared-memory op once (30-90 s; cached in %s; `make` builds "
-                        "it at set-up)", os.environ["TORCH_EXTENSIONS_DIR"])
+        prepare_shm_op()
     import deepspeed
 
     # DeepSpeed 0.19 calls the collectives torch 2.13 deprecated, warning on every call (82 lines in a 20-step zero3

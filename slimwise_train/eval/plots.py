@@ -16,7 +16,8 @@ import math
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from slimwise_train.distill.curves import ema, log_scale, plot_training_curves, read_metrics, smoothing_span  # noqa: F401
+from slimwise_train.distill.curves import (ema, log_scale, plot_training_curves, read_metrics,  # noqa: F401
+                                           smoothing_span, start_to_end)
 from slimwise_train.eval.modes import LM_EVAL_NAMES
 from slimwise_train.eval.report import BOUND_BATCH, _decode_pruned, expert_bytes_bound, rows_for
 from slimwise_train.utils.plotting import pyplot as _pyplot, save_png as _save
@@ -211,15 +212,18 @@ def _family_abbreviations(families: Sequence[str]) -> dict[str, str]:
 
 
 def plot_tradeoff(results: dict, keep_set: str | None, path: str | Path,
-                  speedups: Mapping[str, float] | None = None) -> None:
+                  speedups: Mapping[str, float] | None = None, axis_note: str | None = None) -> None:
     """Accuracy against the decode speed-up of each mode's decoder: one large marker per mode at its pooled
     accuracy (all families), labelled with the mode, that accuracy and each family's; a thin bar with small
     ticks spans the family accuracies. The speed-up axis is the expert-bytes bound at batch 64 unless `speedups`
-    ({mode: measured speed-up}, e.g. the demo's `bench decode` number) is given; the axis label says which. The
-    full model's accuracy is a dotted line."""
+    ({mode: measured speed-up}, e.g. the demo's `bench decode` number) is given; the axis label says which, with
+    `axis_note` after it (e.g. that the measured speed-up is above its bound). The full model's accuracy is a
+    dotted line."""
     plt = _pyplot()
     by_mode = _by_mode(results, keep_set)
     xs, axis_label, notes = tradeoff_points(results, keep_set, speedups)
+    if axis_note:
+        axis_label = f"{axis_label} ({axis_note})"
     families = [f for f in results["families"] if any(f in cells for cells in by_mode.values())]
     short = _family_abbreviations(families)
     styles = mode_styles(list(by_mode))

@@ -66,9 +66,11 @@ def _worst_family(cells: dict, full: dict | None, families: Sequence[str]) -> st
 
 
 def render_markdown(results: dict, title: str = "SlimWise evaluation", header_lines: Sequence[str] = (),
-                    images: dict[str | None, Sequence[tuple[str, str]]] | None = None) -> str:
+                    images: dict[str | None, Sequence[tuple[str, str]]] | None = None,
+                    bytes_bound: bool = True) -> str:
     """The report; `images` ({keep set name or None: [(caption, relative path)]}) are linked under that keep set's
-    table as markdown images."""
+    table as markdown images. `bytes_bound=False` leaves out the expert-bytes bound column (a report that embeds
+    this one beside a measured speed-up and the bound measured with it: one bound per report)."""
     families = results["families"]
     columns = [*families, "all"]
     lines = [f"# {title}", ""]
@@ -79,9 +81,11 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
               "- cells: accuracy / median length / p90 length / share that hit the budget (lengths in tokens incl. "
               "EOS); first tok = first-token agreement with the full model; exact = full = whole output equals the "
               "full model's; collapse = share that ended shorter than half the reference; worst family = the "
-              "family losing most accuracy against the full model; bytes bound = expert bytes a decode step reads at "
-              f"batch {BOUND_BATCH}, full / this mode's decoder, under uniform routing (a bound on the decode "
-              "speed-up, NOT a measurement: `python -m slimwise_train.bench decode` measures it)"]
+              "family losing most accuracy against the full model"
+              + ("; bytes bound = expert bytes a decode step reads at "
+                 f"batch {BOUND_BATCH}, full / this mode's decoder, under uniform routing (a bound on the decode "
+                 "speed-up, NOT a measurement: `python -m slimwise_train.bench decode` measures it)" if bytes_bound
+                 else "")]
     descriptions = results.get("mode_descriptions") or {}
     lines += ["- modes: " + "; ".join(f"**{mode}** = {text}" for mode, text in descriptions.items()), ""]
     names = list(results["keep_sets"]) or [None]
@@ -96,8 +100,8 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
                       f"{info['num_experts'][0]} (keep fraction {info['keep_fraction']:.3f})"
                       + (f"; `{info['path']}`" if info.get("path") else ""), ""]
         lines.append("| mode | " + " | ".join(columns)
-                     + " | worst family | first tok | exact = full | collapse | bytes bound |")
-        lines.append("|---|" + "---|" * (len(columns) + 5))
+                     + " | worst family | first tok | exact = full | collapse |" + (" bytes bound |" if bytes_bound else ""))
+        lines.append("|---|" + "---|" * (len(columns) + 4 + bytes_bound))
         by_mode: dict[str, dict] = {}
         for row in rows_for(results, name):
             by_mode.setdefault(row["mode"], {})[row["family"]] = row
@@ -108,8 +112,8 @@ def render_markdown(results: dict, title: str = "SlimWise evaluation", header_li
             lines.append(f"| {mode} | " + " | ".join(_cell(cells[c]) for c in columns)
                          + f" | {_worst_family(cells, by_mode.get('full'), families) if mode != 'full' else '-'}"
                          + f" | {_fmt(total['first_token_agreement_with_full'])}"
-                         + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])}"
-                         + f" | {'-' if speed is None else f'{speed:.2f}x'} |")
+                         + f" | {_fmt(total['exact_match_with_full'])} | {_fmt(total['collapse'])} |"
+                         + (f" {'-' if speed is None else f'{speed:.2f}x'} |" if bytes_bound else ""))
         lines.append("")
         for caption, link in (images or {}).get(name, ()):
             lines += [f"![{caption}]({link})", ""]

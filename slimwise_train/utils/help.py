@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 WIDTH = 110
 KEY_COLUMN = 44  # where a key's description starts (a longer `key=value` puts it on the next line)
-MAX_DESCRIPTION = 360  # characters: a long comment is cut at a sentence end before this
 
 # App-level keys no schema comment describes: what they mean in every app (a comment on the field wins).
 _FALLBACK = {
@@ -78,14 +77,9 @@ def field_comments(cls: type) -> dict[str, str]:
 
 
 def _clean(text: str) -> str:
-    """One line for the help: no references to the source ("(PrefixFrom above)"), cut at a sentence end when long."""
-    text = re.sub(r"\s*\((?:see )?[A-Z]\w+ above\)", "", " ".join(text.split()))
-    if len(text) <= MAX_DESCRIPTION:
-        return text
-    cut = max(text.rfind(". ", 0, MAX_DESCRIPTION), text.rfind("; ", 0, MAX_DESCRIPTION))
-    if cut > MAX_DESCRIPTION // 3:
-        return text[:cut + 1].rstrip(";") + " …"
-    return text[:MAX_DESCRIPTION].rsplit(" ", 1)[0] + " …"
+    """One line for the help: the whole comment (never cut: a cut description misleads), without references to the
+    source ("(PrefixFrom above)")."""
+    return re.sub(r"\s*\((?:see )?[A-Z]\w+ above\)", "", " ".join(text.split()))
 
 
 def _hints(cls: type) -> dict[str, Any]:
