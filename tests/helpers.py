@@ -214,3 +214,25 @@ def shell_without_venv() -> dict:
     drop = {"VIRTUAL_ENV", "TORCH_EXTENSIONS_DIR", "PYTHONHOME"}
     return {**{k: v for k, v in CHILD_ENV.items() if k not in drop}, "PATH": os.pathsep.join(path),
             "WANDB_MODE": "disabled"}
+
+
+# --------------------------------------------------------------------------- Ctrl-C as a user presses it
+
+
+def ctrl_c_when(command: list[str], marker: str, **popen) -> tuple[int, str]:
+    """Run `command` (stdout and stderr together, SIGINT at its default action as in a terminal), send SIGINT once a
+    line of its output contains `marker`, and return (exit code, whole output)."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+    try:
+        for line in proc.stdout:
+            if marker in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=120)[0]
+    finally:
+        proc.kill()
+    return proc.returncode, output

@@ -216,25 +216,15 @@ def test_a_run_stopped_with_ctrl_c_before_writing_anything_leaves_nothing(tmp_pa
 
 @pytest.mark.subprocess
 def test_training_stopped_with_ctrl_c_is_one_line_and_keeps_its_checkpoints(tmp_path):
-    import signal
-
-    from helpers import TINY_TRAIN
+    from helpers import TINY_TRAIN, ctrl_c_when
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", APPS["train"], *TINY_TRAIN, "progress=false",
-                             "distill.schedule.max_steps=10000", "distill.checkpoint.every=1", "distill.log_every=1",
-                             "distill.eval.every=10000", f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        for line in proc.stdout:
-            if "step 2/10000" in line:  # step 1's checkpoint is published
-                break
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    # at step 2, step 1's checkpoint is published
+    returncode, output = ctrl_c_when([sys.executable, "-m", APPS["train"], *TINY_TRAIN, "progress=false",
+                                      "distill.schedule.max_steps=10000", "distill.checkpoint.every=1",
+                                      "distill.log_every=1", "distill.eval.every=10000", f"hydra.run.dir={run_dir}"],
+                                     "step 2/10000", cwd=tmp_path, env=ENV)
+    assert returncode == 130 and "Traceback" not in output, output[-3000:]
     assert output.strip().splitlines()[-1] == (
         "slimwise_train: interrupted (Ctrl-C): the checkpoints written so far stay; rerun the same command "
         "(resume=auto) to continue from the newest")

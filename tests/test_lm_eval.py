@@ -468,22 +468,13 @@ def test_two_keep_sets_whose_paths_end_alike_keep_their_own_outputs(tmp_path):
 
 @pytest.mark.subprocess
 def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
-    import signal
+    from helpers import ctrl_c_when
 
-    proc = subprocess.Popen([sys.executable, "-m", "slimwise_train.lm_eval", "--model", "slimwise", "--model_args",
-                             f"pretrained={TEACHER},mode=full,progress=false", "--tasks", "slimwise_math",
-                             "--output_path", str(tmp_path / "out")], cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        for line in proc.stdout:
-            if "Running generate_until requests" in line:
-                break
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=120)[0]
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and "Traceback" not in output, output[-3000:]
+    returncode, output = ctrl_c_when([sys.executable, "-m", "slimwise_train.lm_eval", "--model", "slimwise",
+                                      "--model_args", f"pretrained={TEACHER},mode=full,progress=false", "--tasks",
+                                      "slimwise_math", "--output_path", str(tmp_path / "out")],
+                                     "Running generate_until requests", cwd=tmp_path, env=ENV)
+    assert returncode == 130 and "Traceback" not in output, output[-3000:]
     assert output.strip().splitlines()[-1].startswith("slimwise_train.lm_eval: interrupted (Ctrl-C): no results")
     assert not (tmp_path / "out").exists()
 
