@@ -41,6 +41,25 @@ def with_defaults(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
+def check_one_chat_wrap(argv: list[str]) -> None:
+    """--apply_chat_template with the slimwise model's chat_template=true would wrap every prompt twice: one line,
+    before lm-eval loads anything."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from slimwise_train.lm_eval.model import DOUBLE_CHAT_TEMPLATE
+
+    applied = any(arg == "--apply_chat_template" or arg.startswith("--apply_chat_template=") for arg in argv)
+    if not applied or flag_value(argv, "--model") != "slimwise":
+        return
+    model_args = flag_value(argv, "--model_args") or ""
+    try:
+        value = simple_parse_args_string(model_args).get("chat_template", False) if "=" in model_args else False
+    except ValueError:
+        return  # lm-eval reports malformed model_args itself
+    if str(value).strip().lower() in ("true", "1", "yes", "on"):  # as the model reads it (_as_bool)
+        raise ValueError(DOUBLE_CHAT_TEMPLATE)
+
+
 def packaged_task_names() -> set[str]:
     """Task names and tags of the packaged YAMLs (slimwise_train/lm_eval/tasks)."""
     from slimwise_train.lm_eval import TASKS_DIR, packaged_task_config
@@ -132,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                                                            "far)"):
         import slimwise_train.lm_eval  # noqa: F401  registers the slimwise model
         from lm_eval.__main__ import cli_evaluate
+
+        check_one_chat_wrap(argv)
 
         start = time.time()
         if only_packaged_tasks(argv):

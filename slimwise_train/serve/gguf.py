@@ -423,22 +423,8 @@ def _check_rewrite(original: Path, staged: Path, texts: Sequence[str]) -> None:
                            f"check texts differently (first: {bad[0][:80]!r}); this tokenizer cannot be converted")
 
 
-def _llama_tokenize(model, text: str) -> list[int]:
-    """llama.cpp's tokenization of `text` with its special-token text parsed as those tokens, as transformers'
-    `encode` does (a chat render holds `<|im_start|>` and the like); no BOS added. (GGUFModel.tokenize parses none:
-    the handoff's prompts are plain text.)"""
-    L, data = model._L, text.encode("utf-8")
-    n = len(data) + 8
-    while True:
-        out = (L.llama_token * n)()
-        got = L.llama_tokenize(model.vocab, data, len(data), out, n, False, True)
-        if got >= 0:
-            return list(out[:got])
-        n = -got
-
-
 def _equal(model, tokenizer, texts: Sequence[str]) -> int:
-    return sum(_llama_tokenize(model, t) == ids for t, ids in zip(texts, _encode_all(tokenizer, texts)))
+    return sum(model.tokenize(t, parse_special=True) == ids for t, ids in zip(texts, _encode_all(tokenizer, texts)))
 
 
 def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLike, texts: Sequence[str]) -> tuple[int, int]:
