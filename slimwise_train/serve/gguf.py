@@ -188,10 +188,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def cache_fingerprint(folder: str | os.PathLike) -> str:
     """utils/fingerprint.py's fingerprint of a checkpoint folder: the one its export recorded (a distilled export
     records its teacher's, which differs from its own weights only where attention LoRA was merged), else computed
-    from its safetensors."""
+    from its safetensors, over the tensors the served text model loads under the names it loads them by: a
+    multimodal checkpoint's text model (`text_model_name`) without its other towers, and no multi-token-prediction
+    layer (the family adapter's `is_mtp_tensor`; exports drop them). So a teacher saved as the real checkpoint is
+    (Qwen3.6's and Gemma 4's ConditionalGeneration layout, MTP tensors beside the trunk) and its pruned and distilled
+    exports (the causal-LM class, no MTP) have the same fingerprint."""
     from safetensors import safe_open
+    from transformers import AutoConfig
 
-    from slimwise_train.utils.fingerprint import cache_fingerprint_of, is_cache_tensor
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.utils.fingerprint import (cache_fingerprint_of, is_cache_tensor, is_multimodal_layout,
+                                                  text_model_name)
 
     folder = Path(folder)
     record = folder / "slimwise_export.json"
@@ -202,13 +209,21 @@ def cache_fingerprint(folder: str | os.PathLike) -> str:
     files = _safetensors_files(folder)
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}")
+    config = AutoConfig.from_pretrained(folder)
+    adapter = get_adapter(config)
+    names = {}
+    for path in files:
+        with safe_open(str(path), "pt") as handle:
+            names[path] = list(handle.keys())
+    multimodal = is_multimodal_layout(n for keys in names.values() for n in keys)
 
     def named():
-        for path in files:
+        for path, keys in names.items():
             with safe_open(str(path), "pt") as handle:
-                for name in handle.keys():
-                    if is_cache_tensor(name):
-                        yield name, handle.get_tensor(name)
+                for name in keys:
+                    served = None if adapter.is_mtp_tensor(name, config) else text_model_name(name, multimodal)
+                    if served is not None and is_cache_tensor(served):
+                        yield served, handle.get_tensor(name)
 
     return cache_fingerprint_of(named())
 
