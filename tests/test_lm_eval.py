@@ -789,6 +789,26 @@ def test_cli_refuses_both_chat_template_switches_before_loading_anything(tmp_pat
     assert not out.exists()
 
 
+def test_a_device_in_model_args_is_the_only_one_and_a_second_one_is_refused_in_one_line(tmp_path, capsys):
+    """model_args device=cpu (as a user of lm-eval's hf model writes it) takes the place of the default --device auto
+    (lm-eval passes --device beside model_args: two values of one argument); with --device as well, one line, exit 2,
+    before lm-eval loads anything."""
+    from slimwise_train.lm_eval.__main__ import main, with_defaults
+
+    argv = with_defaults(["--model", "slimwise", "--model_args", "pretrained=x,device=cpu", "--tasks", "slimwise_math"])
+    assert "--device" not in argv
+    assert with_defaults(["--model", "slimwise", "--model_args", "pretrained=x", "--tasks", "t"]).count("--device") == 1
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "slimwise", "--model_args", f"pretrained={tmp_path / 'nowhere'},mode=full,device=cpu",
+              "--tasks", "slimwise_math", "--device", "cuda:0", "--output_path", str(out)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "slimwise_train.lm_eval: error: the device is given twice (--device cuda:0 and --model_args device=cpu): keep "
+        "one of them"]
+    assert not out.exists()
+
+
 def test_the_report_has_one_table_per_keep_set_content_not_per_path():
     from slimwise_train.lm_eval.lengths import combined_results
 

@@ -33,6 +33,8 @@ def with_defaults(argv: list[str]) -> list[str]:
     if argv and argv[0] == "run":
         argv = argv[1:]
     defaults = {"--include_path": str(TASKS_DIR), "--device": "auto", "--batch_size": "32"}
+    if "device" in model_args_of(argv):  # lm-eval would pass --device's value beside it: a second `device`
+        del defaults["--device"]
     for flag, value in defaults.items():
         if flag_value(argv, flag) is None:
             argv += [flag, value]
@@ -41,21 +43,35 @@ def with_defaults(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
+def model_args_of(argv: list[str]) -> dict:
+    """--model_args as lm-eval parses it ({} when absent or malformed: lm-eval reports a malformed one itself)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    model_args = flag_value(argv, "--model_args") or ""
+    try:
+        return simple_parse_args_string(model_args) if "=" in model_args else {}
+    except ValueError:
+        return {}
+
+
+def check_one_device(argv: list[str]) -> None:
+    """--device beside model_args' device= would reach the model as two values of one argument (lm-eval's
+    TypeError after its start-up): one line, before lm-eval loads anything."""
+    device = model_args_of(argv).get("device")
+    if device is not None and flag_value(argv, "--device") is not None:
+        raise ValueError(f"the device is given twice (--device {flag_value(argv, '--device')} and --model_args "
+                         f"device={device}): keep one of them")
+
+
 def check_one_chat_wrap(argv: list[str]) -> None:
     """--apply_chat_template with the slimwise model's chat_template=true would wrap every prompt twice: one line,
     before lm-eval loads anything."""
-    from lm_eval.utils import simple_parse_args_string
-
     from slimwise_train.lm_eval.model import DOUBLE_CHAT_TEMPLATE
 
     applied = any(arg == "--apply_chat_template" or arg.startswith("--apply_chat_template=") for arg in argv)
     if not applied or flag_value(argv, "--model") != "slimwise":
         return
-    model_args = flag_value(argv, "--model_args") or ""
-    try:
-        value = simple_parse_args_string(model_args).get("chat_template", False) if "=" in model_args else False
-    except ValueError:
-        return  # lm-eval reports malformed model_args itself
+    value = model_args_of(argv).get("chat_template", False)
     if str(value).strip().lower() in ("true", "1", "yes", "on"):  # as the model reads it (_as_bool)
         raise ValueError(DOUBLE_CHAT_TEMPLATE)
 
@@ -144,7 +160,7 @@ def log_lengths_to_wandb(wandb_args: str, summary: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     from slimwise_train.utils.cli import user_errors
 
-    argv = with_defaults(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
     # lm-eval writes its results, and this its lengths, once every request is answered
     with user_errors("slimwise_train.lm_eval", interrupted="no results or lengths were written (lm-eval writes them "
                                                            "at the end; a --use_cache database keeps the answers so "
@@ -152,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         import slimwise_train.lm_eval  # noqa: F401  registers the slimwise model
         from lm_eval.__main__ import cli_evaluate
 
+        check_one_device(argv)
+        argv = with_defaults(argv)
         check_one_chat_wrap(argv)
 
         start = time.time()

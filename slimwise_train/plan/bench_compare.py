@@ -164,7 +164,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if bool(args.model_path) != bool(args.keep_set):
-        raise SystemExit("bench_compare: --model-path and --keep-set go together (a checkpoint and its keep set)")
+        print("bench_compare: error: --model-path and --keep-set go together: pass both (a checkpoint and its "
+              "keep_set.json) or neither (the bench's own checkpoint)", file=sys.stderr)
+        return 2
     if args.measure_only:
         for engine, result in measure(args).items():
             print(json.dumps({"engine": engine, **result}), flush=True)
