@@ -33,8 +33,6 @@ def with_defaults(argv: list[str]) -> list[str]:
     if argv and argv[0] == "run":
         argv = argv[1:]
     defaults = {"--include_path": str(TASKS_DIR), "--device": "auto", "--batch_size": "32"}
-    if "device" in model_args_of(argv):  # lm-eval would pass --device's value beside it: a second `device`
-        del defaults["--device"]
     for flag, value in defaults.items():
         if flag_value(argv, flag) is None:
             argv += [flag, value]
@@ -54,13 +52,14 @@ def model_args_of(argv: list[str]) -> dict:
         return {}
 
 
-def check_one_device(argv: list[str]) -> None:
-    """--device beside model_args' device= would reach the model as two values of one argument (lm-eval's
-    TypeError after its start-up): one line, before lm-eval loads anything."""
+def check_device_flag(argv: list[str]) -> None:
+    """lm-eval passes its --device (its own default cuda:0, this CLI's auto) to the model beside --model_args, so a
+    device= there is a second value of one argument (lm-eval's TypeError after its start-up): one line, before lm-eval
+    loads anything."""
     device = model_args_of(argv).get("device")
-    if device is not None and flag_value(argv, "--device") is not None:
-        raise ValueError(f"the device is given twice (--device {flag_value(argv, '--device')} and --model_args "
-                         f"device={device}): keep one of them")
+    if device is not None:
+        raise ValueError(f"--model_args device={device}: lm-eval passes the device from its own flag beside "
+                         f"model_args; give it as --device {device}")
 
 
 def check_one_chat_wrap(argv: list[str]) -> None:
@@ -168,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
         import slimwise_train.lm_eval  # noqa: F401  registers the slimwise model
         from lm_eval.__main__ import cli_evaluate
 
-        check_one_device(argv)
+        check_device_flag(argv)
         argv = with_defaults(argv)
         check_one_chat_wrap(argv)
 

@@ -15,12 +15,13 @@ minus the framework baseline B (the bench's `baseline`, measured in the same pro
 
 A saved checkpoint instead of the bench's (a realistic twin, docs/real-models.md):
 
-    python -m slimwise_train.plan.bench_compare --model-path twins/qwen36 --keep-set keep_set.json --seq-len 256 \
+    python -m slimwise_train.plan.bench_compare --model-path twins/qwen36 --keep-set keep_set.json --seq-len 64 \
         --batch 1 --engines zero3
 
 measures that folder with that keep set and plans `model.path=<folder>` (its config.json); the rows are the shipped
 tool conversations rendered plain (`data.chat_template=false`: cut at exactly `--seq-len`, where a chat rendering is
-cut at whole turns and would leave too few rows that long), since the peaks depend on the shapes, not the text.
+cut at whole turns and would leave too few rows that long), since the peaks depend on the shapes, not the text. The
+64 shipped rows average 126 tokens in Qwen3.6's vocabulary: a longer --seq-len leaves too few full-length rows.
 """
 
 from __future__ import annotations
