@@ -117,7 +117,8 @@ def test_five_turn_tool_conversation_supervises_exactly_the_assistant_turns(whic
 
 def test_both_ways_of_finding_turns_agree_on_every_shipped_conversation(markers, prefixes):
     """Markers and prefix rendering are independent routes to the assistant tokens: equal on all 128 shipped rows,
-    and the OpenAI and ShareGPT files supervise the same text row by row (their tools blocks differ in form)."""
+    and the OpenAI and ShareGPT files render the same tokens row by row (the ShareGPT file's bare tool schemas are
+    read in the OpenAI form)."""
     supervised_text = {}
     for form, path in TOOL_CHATS.items():
         examples = load_pairs(_data(source=str(path), num_samples=1000, shuffle=False))
@@ -129,7 +130,7 @@ def test_both_ways_of_finding_turns_agree_on_every_shipped_conversation(markers,
             turns = sum(m["role"] == "assistant" for m in example.messages)
             texts.append(markers.decode([i for i, s in zip(by_markers.ids, by_markers.supervised) if s]))
             assert texts[-1].count("<|im_end|>") == turns  # every assistant turn, each once
-        supervised_text[form] = texts
+        supervised_text[form] = (texts, [render(markers, example).ids for example in examples])
     assert supervised_text["openai"] == supervised_text["sharegpt"]
 
 
@@ -294,7 +295,10 @@ def test_system_and_tools_columns_become_the_system_turn_and_the_templates_tools
     row = {"system": "Be brief.", "tools": json.dumps([WEATHER]),
            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
     conversation = row_to_pair(row)
-    assert conversation.messages[0] == {"role": "system", "content": "Be brief."} and conversation.tools == [WEATHER]
+    assert conversation.messages[0] == {"role": "system", "content": "Be brief."}
+    # a bare schema becomes the OpenAI form that templates read (tool.function.name); one in that form stays as it is
+    assert conversation.tools == [{"type": "function", "function": WEATHER}]
+    assert row_to_pair({**row, "tools": conversation.tools}).tools == conversation.tools
     with pytest.raises(BadRow, match="a system column and a different first system turn"):
         row_to_pair({**row, "conversations": [{"from": "system", "value": "Be long."}, *row["conversations"]]})
     with pytest.raises(BadRow, match="its tools column is text but not JSON"):

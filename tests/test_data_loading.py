@@ -58,11 +58,13 @@ def test_recipe_loading_on_local_rows_in_the_hub_schema(tmp_path, chat_tokenizer
         {"role": "system", "content": "You are an airline agent."}, {"role": "user", "content": "book me"},
         {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "book", "arguments": {}}}]},
         {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Booked #0."}]
-    assert tool[0].tools == tools and tool[0].origin == f"row 0 of {apigen}"
+    # APIGen-MT's bare schemas, read in the OpenAI form the templates read
+    assert tool[0].tools == [{"type": "function", "function": t} for t in tools]
+    assert tool[0].origin == f"row 0 of {apigen}"
     tokenizer = AutoTokenizer.from_pretrained(str(chat_tokenizer_dir))
     text = tokenizer.decode(encode_example(tokenizer, tool[0]).ids)
     assert text.startswith("<|im_start|>system\nYou are an airline agent.\n\n# Tools\n<tools>\n"
-                           '{"name": "book", "description": "Book a flight."')
+                           '{"type": "function", "function": {"name": "book", "description": "Book a flight."')
     assert '<tool_call>{"name": "book", "arguments": {}}</tool_call>' in text and text.count("<|im_start|>") == 5
     # A recipe of before, with the text prefix of context_fields, is refused in one line naming the replacement.
     recipe["sources"][1]["context_fields"] = ["system", "tools"]

@@ -749,12 +749,51 @@ def test_chat_template_contexts_are_the_templates_tokens_with_one_bos(tmp_path, 
         lm = SlimwiseLM(pretrained=str(tmp_path / "model"), mode="full", device="cpu", progress=False,
                         chat_template="true", add_bos_token="true", max_gen_toks=4)
         assert lm._context_ids("What is 2+2?") == expected  # chat_template=true
-        assert lm.tok_encode(lm.apply_chat_template(question)) == expected  # --apply_chat_template
         assert lm.tok_encode("plain text") == [bos, *tokenizer("plain text", add_special_tokens=False)["input_ids"]]
         out = lm.generate_until([_Request(("What is 2+2?", {"until": ["<|im_end|>"], "max_gen_toks": 4}))])
         assert len(out) == 1 and isinstance(out[0], str)
+        # --apply_chat_template as well would wrap the rendered conversation again as a user turn: refused
+        for hook in (lambda: lm.apply_chat_template(question), lambda: lm.chat_template(True)):
+            with pytest.raises(ValueError, match="--apply_chat_template and model_args chat_template=true both"):
+                hook()
+        lm = SlimwiseLM(pretrained=str(tmp_path / "model"), mode="full", device="cpu", progress=False,
+                        add_bos_token="true", max_gen_toks=4)
+        assert lm.tok_encode(lm.apply_chat_template(question)) == expected  # --apply_chat_template alone
+        assert lm.chat_template(True) == tokenizer.chat_template
     finally:
         SlimwiseLM.instances.clear()
+
+
+def test_cli_refuses_both_chat_template_switches_before_loading_anything(tmp_path, capsys):
+    """--apply_chat_template and model_args chat_template=true: one line, exit 2, before lm-eval loads the model or
+    writes anything (run in-process: the check comes before lm-eval's CLI)."""
+    from slimwise_train.lm_eval.__main__ import main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "slimwise", "--model_args", f"pretrained={tmp_path / 'nowhere'},mode=full,chat_template=true",
+              "--tasks", "slimwise_math", "--apply_chat_template", "--output_path", str(out)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["slimwise_train.lm_eval: error: --apply_chat_template and model_args chat_template=true both "
+                   "apply the chat template (the prompt would be wrapped twice): use one of them"]
+    assert not out.exists()
+
+
+def test_a_device_in_model_args_is_refused_in_one_line_naming_the_flag(tmp_path, capsys):
+    """model_args device=cpu (as a user of lm-eval's hf model may write it): lm-eval passes its --device beside
+    model_args (a TypeError after its start-up), so one line naming --device, exit 2, before lm-eval loads anything."""
+    from slimwise_train.lm_eval.__main__ import main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "slimwise", "--model_args", f"pretrained={tmp_path / 'nowhere'},mode=full,device=cpu",
+              "--tasks", "slimwise_math", "--output_path", str(out)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "slimwise_train.lm_eval: error: --model_args device=cpu: lm-eval passes the device from its own flag beside "
+        "model_args; give it as --device cpu"]
+    assert not out.exists()
 
 
 def test_the_report_has_one_table_per_keep_set_content_not_per_path():

@@ -518,3 +518,36 @@ def test_resuming_under_a_longer_schedule_says_the_learning_rate_is_re_planned(t
     with caplog.at_level("WARNING", logger="slimwise.train"):  # the same schedule: nothing to say
         run_train(make_cfg(tmp_path, *longer))
     assert "re-planned" not in caplog.text
+
+
+def test_the_apps_run_folds_the_student_in_place_into_the_checkpoint_a_copying_export_writes(tmp_path, monkeypatch):
+    """run_train (the app: nothing uses the student after the run) folds the trained student into its own weights:
+    no copy of the model is made (issue 51: the distilled export needed a second copy outside ZeRO-3), and the export
+    is bitwise the checkpoint that a copying export of the same student (rebuilt from student_trainable) writes."""
+    import copy as copy_module
+
+    from slimwise_train.distill.export import export_student, load_trainable
+    from slimwise_train.models import load_model
+
+    copied = []
+    deepcopy = copy_module.deepcopy
+
+    def spy(obj, *args, **kwargs):
+        if isinstance(obj, torch.nn.Module):
+            copied.append(type(obj).__name__)
+        return deepcopy(obj, *args, **kwargs)
+
+    cfg = make_cfg(tmp_path / "run", "distill.schedule.max_steps=2", "distill.eval.every=2",
+                   "distill.checkpoint.every=2")
+    monkeypatch.setattr(copy_module, "deepcopy", spy)
+    run_train(cfg)
+    monkeypatch.undo()
+    assert copied == []
+    teacher, tokenizer = load_model(cfg.model, "cpu")
+    student = load_trainable(tmp_path / "run" / "student_trainable.safetensors", teacher)
+    export_student(student, tmp_path / "copied", tokenizer=tokenizer, in_place=False)
+    exported, reference = (load_file(str(tmp_path / folder / "model.safetensors")) for folder in ("run/export", "copied"))
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[k], reference[k]) and exported[k].dtype == reference[k].dtype for k in exported)
+    for name in ("config.json", "slimwise_export.json"):
+        assert (tmp_path / "run" / "export" / name).read_text() == (tmp_path / "copied" / name).read_text(), name

@@ -22,9 +22,10 @@ the decode phase), per-user decode speed (1000 / inter-token latency in ms: p50,
 requests reach or beat), time to first token (p50 / p90). The per-user target is scaled to this machine: a
 fraction (`--target-fraction`, default 0.5) of the full model's own single-request speed measured in the run, or
 `--target-tok-s` (the paper's 50 tokens/s on a GPU). The headline per variant: the best aggregate throughput among
-the levels whose p90 per-user speed meets the target, and its ratio to the full model's, beside the roofline bound
-of the decode step at that level's concurrency (`bench/roofline.py`, the rates measured beside it); a ratio whose
-efficiency (ratio / bound) exceeds 1 is flagged: a bound a run beats is not a bound.
+the levels whose p90 per-user speed meets the target, and its ratio to the full model's, beside its bound at that
+level's concurrency: the least time of a round of requests (prompts prefilled, then the decode steps; `bench/roofline.py`,
+the rates measured beside the level's runs) of the full model over the variant's; a ratio whose efficiency
+(ratio / bound) exceeds 1 is flagged: a bound a run beats is not a bound.
 """
 
 from __future__ import annotations
@@ -184,7 +185,9 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
     files = _variants(name, model, tokenizer, ratios, args.outtype, root, log)
     endpoints: dict[str, _Endpoint] = {}
     rounds: dict[str, dict[int, list[dict]]] = {}
-    monitor = engine_monitor(model, ratios, concurrencies, threads)
+    # expert matmuls timed at the decode steps' rows and at the prefills' (c prompts of --prompt tokens at once)
+    monitor = engine_monitor(model, ratios, sorted({*concurrencies, *(c * args.prompt for c in concurrencies)}),
+                             threads)
     probes_at: dict[int, list[int]] = {c: [] for c in concurrencies}  # the probes taken beside each level's runs
     try:
         for variant, (prefill, decode) in _variant_files(files, ratios).items():
@@ -221,11 +224,22 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
     context = args.prompt + args.output / 2
     shape = decode_shape(model, GGUF_BYTES[args.outtype], kv_bytes)
 
-    def bound_at(r: float, c: int) -> dict:
-        """The decode step's bound at `c` sequences over the probes beside that level's runs."""
-        pruned = shape.with_experts(num_to_keep(shape.experts, r))
-        return monitor.bound(lambda rates: step_bound_s(shape, c, context, rates),
-                             lambda rates: step_bound_s(pruned, c, context, rates), probes=probes_at[c])
+    def bound_at(variant: str, c: int) -> dict:
+        """The variant's output-throughput ratio to full at `c` concurrent requests, at most: the least time of a
+        round of c requests (their prompts prefilled at once, then --output - 1 decode steps of c sequences) of the
+        full model over the variant's (its prefill model, then its decode model), over the probes beside that
+        level's runs. The prefill counts: GuideLLM's output tokens/s spans whole requests, and a pruned prefill is
+        faster too (at one sequence the decode steps read the same top-k experts, so only the prefill differs)."""
+        kind, r = variant.split("_")
+        pruned = shape.with_experts(num_to_keep(shape.experts, float(r)))
+        prefill_of_variant = pruned if kind == "pruned" else shape
+
+        def round_s(prefill_shape, decode_shape, rates):
+            prefill = step_bound_s(prefill_shape, c * args.prompt, args.prompt / 2, rates)
+            return prefill + (args.output - 1) * step_bound_s(decode_shape, c, context, rates)
+
+        return monitor.bound(lambda rates: round_s(shape, shape, rates),
+                             lambda rates: round_s(prefill_of_variant, pruned, rates), probes=probes_at[c])
 
     best = {}
     for variant, by_c in rows.items():
@@ -236,14 +250,13 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
     for variant in rows:
         if variant == "full":
             continue
-        r = float(variant.split("_")[1])
         per_c = {}
         for c in concurrencies:
             # paired within a round: both ran back to back, a slow spell of the machine scales both
             paired = [a["output_tok_s"] / b["output_tok_s"] for a, b in zip(rounds[variant][c], rounds["full"][c])]
             per_user = statistics.median(a["per_user_tok_s"]["p50"] / b["per_user_tok_s"]["p50"]
                                          for a, b in zip(rounds[variant][c], rounds["full"][c]))
-            cell = against_bound(statistics.median(paired), quartiles(paired), bound_at(r, c))
+            cell = against_bound(statistics.median(paired), quartiles(paired), bound_at(variant, c))
             per_c[c] = {"ratio": cell.pop("speedup"), "ratio_quartiles": cell.pop("speedup_quartiles"),
                         "per_user_ratio": round(per_user, 3), **cell}
             if cell["above_bound"]:
@@ -254,7 +267,7 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
             c_best = best[variant]["concurrency"]
             ratio = best[variant]["output_tok_s"] / best["full"]["output_tok_s"]
             # the medians of two levels: no paired spread, so the ratio reads against the bound's own quartiles
-            cell = against_bound(ratio, [ratio, ratio], bound_at(r, c_best))
+            cell = against_bound(ratio, [ratio, ratio], bound_at(variant, c_best))
             cell.pop("speedup_quartiles")
             entry["best_under_target"] = {"ratio": cell.pop("speedup"), "concurrency": c_best, **cell}
             if cell["above_bound"]:

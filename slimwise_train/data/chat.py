@@ -10,7 +10,8 @@ Row forms (one conversation per row; either column name may hold either form):
     `function_call` turn is an assistant tool call whose value is the call as JSON ({"name", "arguments"}, or a list
     of them); an `observation` is a tool result.
   * Optional columns: `tools` (a list of tool schemas, or that list as JSON text, as APIGen-MT stores it), handed to
-    the template as its `tools`; `system` (text), rendered as the first, system, turn.
+    the template as its `tools` in the OpenAI form (a bare schema wrapped as {"type": "function", "function": ...});
+    `system` (text), rendered as the first, system, turn.
 
 Assistant turns (`Rendered.supervised`, 1 per token of an assistant turn) come from the template, never from
 searching the text:
@@ -164,7 +165,9 @@ def _tools(value: Any, origin: str) -> list | None:
                                               for t in value):
         raise BadRow("malformed tools", f"{_where(origin)}: its tools are {str(value)[:60]!r}, not a list of tool "
                                         'schemas ({"name": ..., "parameters": ...}, optionally under "function")')
-    return value
+    # A bare schema (APIGen-MT's, the ShareGPT file's) in the OpenAI form that transformers' get_json_schema gives and
+    # templates read (`tool.function.name`: GPT-OSS's, DeepSeek's, Gemma's): the same tools whichever form a row uses.
+    return [t if "function" in t else {"type": "function", "function": t} for t in value]
 
 
 def tool_names(tools: list | None) -> list[str]:

@@ -281,9 +281,10 @@ def _fold_slot_columns(model: torch.nn.Module) -> None:
 def folded_decoder(student: DistillModel, in_place: bool = False) -> torch.nn.Module:
     """A copy of the student as one plain model: deltas folded into the routers and norms (W + dW, w + dw),
     removed experts sliced out, the shared expert folded into the family's slot (native mode, the stock class) or
-    kept as a child (new mode). The student is left untouched."""
-    # in_place: the student was built only to be exported (a ZeRO-3 run rebuilds it on a fresh teacher): fold into
-    # its own model instead of a second copy of every weight.
+    kept as a child (new mode). The student is left untouched, unless `in_place`."""
+    # in_place: nothing uses the student after (a ZeRO-3 run's student rebuilt only to be exported, or the app's run
+    # once training is over): fold into its own model instead of a second copy of every weight. The same operations
+    # on the same values, so the same checkpoint bitwise.
     model = student.model if in_place else copy.deepcopy(student.model)
     _strip_hooks(model, {h.id for h in student._handles})
     for module in model.modules():  # a copy of a recomputed module is a plain module again
@@ -346,11 +347,19 @@ def export_student(student: DistillModel, output_dir: str | os.PathLike, tokeniz
             "slimwise_shared_expert_act": act,
             "slimwise_shared_expert_sites": sites,
         })
-        dtype = next(model.parameters()).dtype
-        out_model = model_cls(new_config).to(dtype)
-        missing, unexpected = out_model.load_state_dict(model.state_dict(), strict=False)
-        # Non-persistent buffers (rotary tables) are rebuilt by the constructor; everything else must match.
+        # The registered class built on the meta device, then given the folded model's own tensors (assign): no
+        # second copy of the weights. Non-persistent buffers (rotary tables) are not in a state dict: taken over too.
+        with torch.device("meta"):
+            out_model = model_cls(new_config)
+        missing, unexpected = out_model.load_state_dict(model.state_dict(), strict=False, assign=True)
         assert not unexpected and not [k for k in missing if not k.endswith("inv_freq")], (missing, unexpected)
+        buffers = dict(model.named_buffers())
+        for name, buffer in list(out_model.named_buffers()):
+            if buffer.is_meta:
+                owner, _, attr = name.rpartition(".")
+                out_model.get_submodule(owner)._buffers[attr] = buffers[name]
+        left = [n for n, t in [*out_model.named_parameters(), *out_model.named_buffers()] if t.is_meta]
+        assert not left, left[:4]
         out_model.eval()
     else:
         out_model = model

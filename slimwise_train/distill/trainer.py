@@ -129,8 +129,12 @@ class StepHooks:
 
 
 class Trainer:
-    def __init__(self, cfg, hooks: StepHooks | None = None):
+    def __init__(self, cfg, hooks: StepHooks | None = None, keep_student: bool = True):
+        """keep_student=False: nothing uses `self.student` after `train()` (the app's run, `run_train`), so the
+        export folds the trained student into its own weights instead of a copy of them (no second model in
+        memory); the student is then the exported decoder, no longer the student."""
         self.cfg = cfg
+        self.keep_student = keep_student
         if hooks is None and cfg.get("extra"):  # faults named on the command line (+extra.kill_after_step=5, ...)
             from slimwise_train.testing.faults import FaultHooks
 
@@ -802,9 +806,10 @@ class Trainer:
             from slimwise_train.distill.lora import export_adapter
 
             export_adapter(student, self.output_dir / "adapter", tokenizer=self.tokenizer)
-        # in_place for a rebuilt student: no second copy of the weights
+        # in place for a rebuilt student, or for the trained one when nothing uses it after (keep_student=False): no
+        # second copy of the weights; the same checkpoint, bitwise (tests/test_student.py, tests/test_trainer.py)
         export_student(student, self.output_dir / "export", tokenizer=self.tokenizer, overwrite=True,
-                       in_place=student is not self.student, prefix_from=prefix_from)
+                       in_place=student is not self.student or not self.keep_student, prefix_from=prefix_from)
         log.info("exported the distilled decoder to %s", self.output_dir / "export")
 
     def close(self) -> None:
@@ -825,8 +830,9 @@ def _terms_text(values: dict, names) -> str:
 
 
 def run_train(cfg, hooks: StepHooks | None = None) -> dict:
-    """The whole training job; returns the summary. Importable for tests and notebooks (`hooks`: a test's faults)."""
-    trainer = Trainer(cfg, hooks)
+    """The whole training job; returns the summary. Importable for tests and notebooks (`hooks`: a test's faults).
+    Nothing uses the student after the run: the export folds it in place."""
+    trainer = Trainer(cfg, hooks, keep_student=False)
     try:
         trainer.setup()
         return trainer.train()

@@ -41,6 +41,40 @@ def with_defaults(argv: list[str]) -> list[str]:
     return ["run", *argv]
 
 
+def model_args_of(argv: list[str]) -> dict:
+    """--model_args as lm-eval parses it ({} when absent or malformed: lm-eval reports a malformed one itself)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    model_args = flag_value(argv, "--model_args") or ""
+    try:
+        return simple_parse_args_string(model_args) if "=" in model_args else {}
+    except ValueError:
+        return {}
+
+
+def check_device_flag(argv: list[str]) -> None:
+    """lm-eval passes its --device (its own default cuda:0, this CLI's auto) to the model beside --model_args, so a
+    device= there is a second value of one argument (lm-eval's TypeError after its start-up): one line, before lm-eval
+    loads anything."""
+    device = model_args_of(argv).get("device")
+    if device is not None:
+        raise ValueError(f"--model_args device={device}: lm-eval passes the device from its own flag beside "
+                         f"model_args; give it as --device {device}")
+
+
+def check_one_chat_wrap(argv: list[str]) -> None:
+    """--apply_chat_template with the slimwise model's chat_template=true would wrap every prompt twice: one line,
+    before lm-eval loads anything."""
+    from slimwise_train.lm_eval.model import DOUBLE_CHAT_TEMPLATE
+
+    applied = any(arg == "--apply_chat_template" or arg.startswith("--apply_chat_template=") for arg in argv)
+    if not applied or flag_value(argv, "--model") != "slimwise":
+        return
+    value = model_args_of(argv).get("chat_template", False)
+    if str(value).strip().lower() in ("true", "1", "yes", "on"):  # as the model reads it (_as_bool)
+        raise ValueError(DOUBLE_CHAT_TEMPLATE)
+
+
 def packaged_task_names() -> set[str]:
     """Task names and tags of the packaged YAMLs (slimwise_train/lm_eval/tasks)."""
     from slimwise_train.lm_eval import TASKS_DIR, packaged_task_config
@@ -125,13 +159,17 @@ def log_lengths_to_wandb(wandb_args: str, summary: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     from slimwise_train.utils.cli import user_errors
 
-    argv = with_defaults(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
     # lm-eval writes its results, and this its lengths, once every request is answered
     with user_errors("slimwise_train.lm_eval", interrupted="no results or lengths were written (lm-eval writes them "
                                                            "at the end; a --use_cache database keeps the answers so "
                                                            "far)"):
         import slimwise_train.lm_eval  # noqa: F401  registers the slimwise model
         from lm_eval.__main__ import cli_evaluate
+
+        check_device_flag(argv)
+        argv = with_defaults(argv)
+        check_one_chat_wrap(argv)
 
         start = time.time()
         if only_packaged_tasks(argv):

@@ -105,6 +105,12 @@ def _as_int(value, name: str, minimum: int = 1) -> int:
     return number
 
 
+# lm-eval's --apply_chat_template renders each request's conversation with the model's template; model_args
+# chat_template=true wraps each context as one user turn. Both at once would wrap the rendered text again.
+DOUBLE_CHAT_TEMPLATE = ("--apply_chat_template and model_args chat_template=true both apply the chat template (the "
+                        "prompt would be wrapped twice): use one of them")
+
+
 @register_model("slimwise")
 class SlimwiseLM(TemplateLM):
     """See the module docstring. Constructor arguments are lm-eval's model_args (strings from the CLI)."""
@@ -225,9 +231,22 @@ class SlimwiseLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template:  # lm-eval asks for it when --apply_chat_template is on: refuse before any request
+            self._check_one_chat_wrap()
         return self.tokenizer.chat_template
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's hook, called for every request when --apply_chat_template is on. With model_args
+        chat_template=true as well the context would be wrapped twice (lm-eval renders the conversation, then
+        `_context_ids` would wrap that text as a user turn): refused."""
+        self._check_one_chat_wrap()
+        return self._render_chat(chat_history, add_generation_prompt)
+
+    def _check_one_chat_wrap(self) -> None:
+        if self.chat_template_on:
+            raise ValueError(DOUBLE_CHAT_TEMPLATE)
+
+    def _render_chat(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.tokenizer.chat_template:
             raise ValueError(f"the tokenizer of {self.identity} has no chat template; drop --apply_chat_template "
                              "(or chat_template=true)")
@@ -284,7 +303,7 @@ class SlimwiseLM(TemplateLM):
 
     def _context_ids(self, context: str) -> list[int]:
         if self.chat_template_on:
-            context = self.apply_chat_template([{"role": "user", "content": context}])
+            context = self._render_chat([{"role": "user", "content": context}])
         return self.tok_encode(context)
 
     @staticmethod

@@ -27,6 +27,9 @@ the KV cache (prefix + continuation) and, under ZeRO-3, the gathered weights are
                         (an estimate: no GPU run is recorded yet)
   host_allocator_retention  CPU only: buffers glibc keeps after they are freed: the per-expert tensors a replicated
                         from_pretrained fuses, ZeRO-3's gather transients (calibrated)
+  tokenizer             CPU only: what the run's tokenizer keeps beyond the shipped one's (inside the calibrated
+                        runtime), measured by loading both in fresh processes (plan/host.py); a real vocabulary's
+                        fast tokenizer holds hundreds of MiB
   fragmentation         GPU only: caching-allocator slack, a share of the dynamic components
 
 The formulas, their calibration against the bench and their limits are in docs/planning.md.
@@ -65,7 +68,8 @@ GPU_FRAGMENTATION = 0.05
 HOST_CUDA_RUNTIME_GIB = 1.0  # host memory of a CUDA process's runtime beyond B (an estimate; the prune plan's host)
 
 COMPONENTS = ("frozen_weights", "trainable_and_optimizer", "deepspeed_buckets", "logits_and_loss", "kv_cache",
-              "activations", "zero3_gathered", "framework_baseline", "host_allocator_retention", "fragmentation")
+              "activations", "zero3_gathered", "framework_baseline", "host_allocator_retention", "tokenizer",
+              "fragmentation")
 
 
 @dataclass
@@ -551,6 +555,10 @@ def plan_from_config(cfg) -> Plan:
     check_seq_len(cfg, config)
     arch, _ = describe(cfg.model, cfg.prune, cfg.distill, dtype, config=config)
     plan = plan_memory(arch, cfg, shape, device, dtype)
+    if device == "cpu":
+        from slimwise_train.plan.host import tokenizer_beyond_shipped
+
+        plan.components["tokenizer"], plan.details["what"]["tokenizer"] = tokenizer_beyond_shipped(cfg.model)
     plan.prune = _prune_plan(arch, cfg, device, dtype)
     return plan
 

@@ -13,7 +13,10 @@ Every server needs an API key: `server` and `up` take --api-key, or read --api-k
 when missing; default ~/.config/slimwise_train/api-key), and `client` reads the same file.
 
 prompts.jsonl: one JSON object per line with "prompt" (text, tokenized by the GGUF's vocabulary, which the
-conversion checked equal to transformers') or "prompt_ids" (token ids); optional per-line "max_new_tokens".
+conversion checked equal to transformers') or "prompt_ids" (token ids); optional per-line "max_new_tokens". A text
+prompt is read as transformers' `tokenizer(text, add_special_tokens=False)` reads it: special-token text (a chat
+template's `<|im_start|>`, the BOS it writes) is parsed as those tokens and nothing is added, so a prompt rendered by
+`apply_chat_template(..., tokenize=False)` gives the template's own tokens.
 Output: one JSON line per prompt (completion text, tokens, length, end reason: eos | stop | budget) and a summary
 on stderr (median / p90 length, end reasons, throughput).
 """
@@ -129,15 +132,16 @@ def _check_output(args, inputs: dict[str, str | None]) -> None:
     check_outputs_spare_inputs({"--output": out}, inputs, fix="choose another --output")
 
 
-def _requests(args, rows: list[tuple[int, dict]], tokenize, n_vocab: int, n_ctx: int, fix: str):
+def _requests(args, rows: list[tuple[int, dict]], vocab, n_vocab: int, n_ctx: int, fix: str):
     """The requests of the prompts' rows, each checked: token ids in the vocabulary, prompt + budget within the
-    context (the one rule of every engine: `check_fits`), naming the prompts line."""
+    context (the one rule of every engine: `check_fits`), naming the prompts line. Text prompts are tokenized by
+    `vocab` (a GGUFModel) with special-token text parsed and nothing added (the module docstring's rule)."""
     from slimwise_train.serve.engine import Request, check_fits
 
     out = []
     for i, (number, row) in enumerate(rows):
         where = f"--prompts {args.prompts}:{number}: "
-        ids = row["prompt_ids"] if "prompt_ids" in row else tokenize(row["prompt"])
+        ids = row["prompt_ids"] if "prompt_ids" in row else vocab.tokenize(row["prompt"], parse_special=True)
         if not ids:
             raise ValueError(f"{where}the prompt is empty")
         bad = next((t for t in ids if not 0 <= t < n_vocab), None)
@@ -491,7 +495,7 @@ def _generate(args) -> int:
     with EngineHandoff(args.prefill, args.decode, n_seq=args.n_seq, n_ctx_per_seq=args.n_ctx, kv_type=args.kv_type,
                        threads=args.threads, allow_pruned_prefill=args.allow_pruned_prefill) as engine:
         model = engine.prefill_model
-        requests = _requests(args, rows, model.tokenize, model.n_vocab, engine.settings.n_ctx_per_seq,
+        requests = _requests(args, rows, model, model.n_vocab, engine.settings.n_ctx_per_seq,
                              "raise --n-ctx or lower the budget")
         code = _generate_and_write(args, rows, engine.waves(requests))
         s = engine.stats
@@ -555,7 +559,7 @@ def _client(args) -> int:
         if vocab.n_vocab != client.n_vocab:
             raise ValueError(f"--tokenizer-gguf {args.tokenizer_gguf} has {vocab.n_vocab} tokens, the served models "
                              f"{client.n_vocab}: pass the GGUF of the served models' vocabulary")
-        requests = _requests(args, rows, vocab.tokenize, client.n_vocab, client.n_ctx,
+        requests = _requests(args, rows, vocab, client.n_vocab, client.n_ctx,
                              "start the servers with a larger --n-ctx or lower the budget")
     return _generate_and_write(args, rows, ([c] for c in client.completions(requests)))
 

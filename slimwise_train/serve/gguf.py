@@ -188,10 +188,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
 def cache_fingerprint(folder: str | os.PathLike) -> str:
     """utils/fingerprint.py's fingerprint of a checkpoint folder: the one its export recorded (a distilled export
     records its teacher's, which differs from its own weights only where attention LoRA was merged), else computed
-    from its safetensors."""
+    from its safetensors, over the tensors the served text model loads under the names it loads them by: a
+    multimodal checkpoint's text model (`text_model_name`) without its other towers, and no multi-token-prediction
+    layer (the family adapter's `is_mtp_tensor`; exports drop them). So a teacher saved as the real checkpoint is
+    (Qwen3.6's and Gemma 4's ConditionalGeneration layout, MTP tensors beside the trunk) and its pruned and distilled
+    exports (the causal-LM class, no MTP) have the same fingerprint."""
     from safetensors import safe_open
+    from transformers import AutoConfig
 
-    from slimwise_train.utils.fingerprint import cache_fingerprint_of, is_cache_tensor
+    from slimwise_train.moe.adapters import get_adapter
+    from slimwise_train.utils.fingerprint import (cache_fingerprint_of, is_cache_tensor, is_multimodal_layout,
+                                                  text_model_name)
 
     folder = Path(folder)
     record = folder / "slimwise_export.json"
@@ -202,13 +209,21 @@ def cache_fingerprint(folder: str | os.PathLike) -> str:
     files = _safetensors_files(folder)
     if not files:
         raise ValueError(f"no *.safetensors weights in {folder}")
+    config = AutoConfig.from_pretrained(folder)
+    adapter = get_adapter(config)
+    names = {}
+    for path in files:
+        with safe_open(str(path), "pt") as handle:
+            names[path] = list(handle.keys())
+    multimodal = is_multimodal_layout(n for keys in names.values() for n in keys)
 
     def named():
-        for path in files:
+        for path, keys in names.items():
             with safe_open(str(path), "pt") as handle:
-                for name in handle.keys():
-                    if is_cache_tensor(name):
-                        yield name, handle.get_tensor(name)
+                for name in keys:
+                    served = None if adapter.is_mtp_tensor(name, config) else text_model_name(name, multimodal)
+                    if served is not None and is_cache_tensor(served):
+                        yield served, handle.get_tensor(name)
 
     return cache_fingerprint_of(named())
 
@@ -423,22 +438,8 @@ def _check_rewrite(original: Path, staged: Path, texts: Sequence[str]) -> None:
                            f"check texts differently (first: {bad[0][:80]!r}); this tokenizer cannot be converted")
 
 
-def _llama_tokenize(model, text: str) -> list[int]:
-    """llama.cpp's tokenization of `text` with its special-token text parsed as those tokens, as transformers'
-    `encode` does (a chat render holds `<|im_start|>` and the like); no BOS added. (GGUFModel.tokenize parses none:
-    the handoff's prompts are plain text.)"""
-    L, data = model._L, text.encode("utf-8")
-    n = len(data) + 8
-    while True:
-        out = (L.llama_token * n)()
-        got = L.llama_tokenize(model.vocab, data, len(data), out, n, False, True)
-        if got >= 0:
-            return list(out[:got])
-        n = -got
-
-
 def _equal(model, tokenizer, texts: Sequence[str]) -> int:
-    return sum(_llama_tokenize(model, t) == ids for t, ids in zip(texts, _encode_all(tokenizer, texts)))
+    return sum(model.tokenize(t, parse_special=True) == ids for t, ids in zip(texts, _encode_all(tokenizer, texts)))
 
 
 def check_tokenization(gguf_file: str | os.PathLike, hf_folder: str | os.PathLike, texts: Sequence[str]) -> tuple[int, int]:

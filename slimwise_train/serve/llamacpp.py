@@ -182,13 +182,15 @@ class GGUFModel(_Owned):
             out[key] = buf.value.decode("utf-8", "replace")
         return out
 
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        """llama.cpp's tokenization of `text` (special-token text is not parsed: it is plain text, as in the suite)."""
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        """llama.cpp's tokenization of `text`. `parse_special`: special-token text (`<|im_start|>`, a BOS a chat
+        template writes) becomes those tokens, as transformers' tokenizer reads it; without it that text is plain
+        text. `add_special`: the vocabulary's own BOS/EOS added around it (transformers' add_special_tokens)."""
         L, data = self._L, text.encode("utf-8")
         n = len(data) + 8
         while True:
             out = (L.llama_token * n)()
-            got = L.llama_tokenize(self.vocab, data, len(data), out, n, add_special, False)
+            got = L.llama_tokenize(self.vocab, data, len(data), out, n, add_special, parse_special)
             if got >= 0:
                 return list(out[:got])
             n = -got

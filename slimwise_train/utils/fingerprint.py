@@ -33,6 +33,23 @@ def canonical_name(name: str) -> str | None:
     return name.replace(".base_layer", "")
 
 
+_TEXT_MODEL = re.compile(r"(^|\.)language_model\.")
+
+
+def text_model_name(name: str, multimodal: bool) -> str | None:
+    """A checkpoint tensor's name as the causal-LM class that serves the text model loads it: in a multimodal
+    checkpoint (Qwen3.5/3.6's and Gemma 4's ConditionalGeneration layout) the text model's tensors sit under a
+    `language_model.` component, which that class does not have (`model.language_model.layers.0.` is its
+    `model.layers.0.`), and the other towers' tensors (vision, audio) are none of its (None)."""
+    if not multimodal:
+        return name
+    return _TEXT_MODEL.sub(r"\1", name, count=1) if _TEXT_MODEL.search(name) else None
+
+
+def is_multimodal_layout(names: Iterable[str]) -> bool:
+    return any(_TEXT_MODEL.search(name) for name in names)
+
+
 def cache_fingerprint_of(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """SHA-256 (hex) over the cache tensors among `named` (name, tensor) pairs, in sorted name order."""
     chosen = {name: t for name, t in named if is_cache_tensor(name)}
@@ -47,9 +64,13 @@ def cache_fingerprint_of(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 def model_cache_fingerprint(model: torch.nn.Module) -> str:
-    """The fingerprint of an in-memory model (a student before its LoRA is merged: the teacher's attention)."""
-    named = ((canonical_name(n), p) for n, p in model.named_parameters())
-    return cache_fingerprint_of((n, p) for n, p in named if n is not None)
+    """The fingerprint of an in-memory model (a student before its LoRA is merged: the teacher's attention), over its
+    text model's tensors under the causal-LM names (`text_model_name`), as serve/gguf.py's of a checkpoint folder."""
+    named = [(canonical_name(n), p) for n, p in model.named_parameters()]
+    named = [(n, p) for n, p in named if n is not None]
+    multimodal = is_multimodal_layout(n for n, _ in named)
+    served = ((text_model_name(n, multimodal), p) for n, p in named)
+    return cache_fingerprint_of((n, p) for n, p in served if n is not None)
 
 
 # --------------------------------------------------------------------------- the weight files of a checkpoint folder
