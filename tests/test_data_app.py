@@ -56,8 +56,8 @@ def test_show_counts_cuts_and_skips_with_their_first_row(chat_tokenizer_dir, tmp
     text, counts = _show(f"data.source={rows}", f"model.tokenizer={chat_tokenizer_dir}", "n=0", "data.seq_len=256",
                          "data.shuffle=false")
     assert "--- sequence" not in text and counts.sequences == 1
-    assert f"skipped               2: no assistant turn 1 (first: row 1 of {rows}), no assistant token within " \
-           f"data.seq_len 1 (first: row 0 of {rows})" in text
+    assert f"skipped               2: no assistant turn: 1 row (first: row 1 of {rows}), no assistant token within " \
+           f"data.seq_len: 1 row (first: row 0 of {rows})" in text
 
 
 def test_show_on_the_shipped_teacher_is_the_plain_rendering():

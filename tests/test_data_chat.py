@@ -260,7 +260,7 @@ def test_rows_without_an_assistant_turn_or_text_are_skipped_and_counted(tmp_path
     with caplog.at_level(logging.WARNING, logger="slimwise.data"):
         kept = load_pairs(_data(source=str(path), shuffle=False))
     assert len(kept) == 1 and kept[0].origin == f"row 3 of {path}"
-    assert f"skipped 3 of 4 rows read: blank 2 (first: row 1 of {path}), no assistant turn 1 (first: row 0 of {path})" \
+    assert f"skipped 3 of 4 rows read: blank: 2 rows (first: row 1 of {path}), no assistant turn: 1 row (first: row 0 of {path})" \
         in caplog.text
     with pytest.raises(SkipRow, match="no assistant turn"):
         conversation_from_row(rows[0]["messages"])

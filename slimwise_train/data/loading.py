@@ -250,7 +250,8 @@ class DataCounts:
         self.first.setdefault(kind, origin)
 
     def described(self, table: Counter) -> str:
-        return ", ".join(f"{kind} {n}" + (f" (first: {self.first[kind]})" if self.first.get(kind) else "")
+        return ", ".join(f"{kind}: {n} row{'s' if n != 1 else ''}" + (f" (first: {self.first[kind]})"
+                                                                       if self.first.get(kind) else "")
                          for kind, n in table.most_common())
 
 
