@@ -193,7 +193,9 @@ def test_kill_9_leaves_no_converter_and_ctrl_c_is_one_line_leaving_nothing(tmp_p
     assert any(n.startswith(".t.gguf.") and n.endswith(".tmp") for n in left), left  # what kill -9 leaves
     assert any(n.startswith(gguf.STAGING_PREFIX) for n in left), left
 
-    interrupted = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # a background CI shell starts jobs with SIGINT ignored, which Python then keeps: restore a terminal's default
+    interrupted = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child = _converter_child(interrupted.pid)
     interrupted.send_signal(signal.SIGINT)
     _, err = interrupted.communicate(timeout=60)
