@@ -265,3 +265,16 @@ def test_the_plan_uses_prune_keep_set_when_given(tmp_path):
     KeepSet.from_kept(get_adapter(bigger).moe_layers(bigger), [[0, 1]] * 3, model_type="qwen3_moe").save(other)
     with pytest.raises(ValueError, match=f"^prune.keep_set={other}: keep set covers MoE layers"):
         describe(model_cfg, OmegaConf.structured(PruneConfig(keep_set=str(other))), distill, torch.float32)
+
+
+def test_the_tokenizer_term_finds_the_tokenizer_as_the_trainer_does(tmp_path, monkeypatch):
+    """plan/host.py resolves model.path as models.load_tokenizer does (a relative path against the working directory,
+    then the repository): the teacher's tokenizer, named relatively from elsewhere, is the shipped one (no term, no
+    measurement); a hub id is said to be uncounted (the planner is offline)."""
+    from slimwise_train.plan.host import tokenizer_beyond_shipped
+
+    monkeypatch.chdir(tmp_path)
+    teacher = OmegaConf.create({"path": "slimwise_train/assets/teacher", "tokenizer": None})
+    assert tokenizer_beyond_shipped(teacher) == (0, "the shipped tokenizer (inside the calibrated runtime)")
+    hub = OmegaConf.create({"path": "Qwen/Qwen3-30B-A3B", "tokenizer": None})
+    assert tokenizer_beyond_shipped(hub)[0] == 0 and "not counted" in tokenizer_beyond_shipped(hub)[1]

@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 
 from slimwise_train.models import SHIPPED_TOKENIZER
+from slimwise_train.utils.hf import resolve_path
 
-# Loads the tokenizer as the trainer does (AutoTokenizer through models.load_tokenizer's source) after every import
-# the trainer has made by then, and prints the resident bytes it added.
+# Loads the tokenizer as the trainer does (AutoTokenizer.from_pretrained) once transformers is imported (its import
+# is in the baseline, not the tokenizer's), and prints the resident bytes the tokenizer added.
 _MEASURE = """
 import gc, os, sys
 import transformers
@@ -53,7 +54,7 @@ def tokenizer_beyond_shipped(model_cfg) -> tuple[int, str]:
     """(bytes, what) the run's tokenizer keeps beyond the shipped one's, for a CPU plan. 0 when the run uses the
     shipped tokenizer (a tiny preset) or when no local folder holds its tokenizer (a hub id: the planner stays
     offline, and says it did not count it)."""
-    source = model_cfg.get("tokenizer") or model_cfg.get("path")
+    source = resolve_path(model_cfg.get("tokenizer") or model_cfg.get("path"))  # as models.load_tokenizer finds it
     if source is None:
         return 0, "the shipped tokenizer (inside the calibrated runtime)"
     folder = Path(str(source)).expanduser()
