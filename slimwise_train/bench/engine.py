@@ -115,16 +115,17 @@ def time_gguf_variants(files: dict[str, Path], batches, prompt_len: int, steps: 
     return rows
 
 
-def engine_monitor(model, ratios, batches, threads: int) -> RooflineMonitor:
+def engine_monitor(model, ratios, batches, threads: int, own_pids=()) -> RooflineMonitor:
     """The machine probe for a model's llama.cpp rounds: expert matmuls timed at its shape and at the row counts
-    uniform routing gives each kept expert at these batch sizes."""
+    uniform routing gives each kept expert at these batch sizes; `own_pids`: the llama.cpp processes the bench runs
+    (their CPU time is not another job's)."""
     from slimwise_train.prune.criteria import num_to_keep
 
     shape = decode_shape(model, 4, 4)
     kept = [shape.experts, *(num_to_keep(shape.experts, r) for r in ratios)]
     intermediate = shape.expert_params // (3 * model.config.hidden_size)
     return RooflineMonitor(threads, expert=(model.config.hidden_size, intermediate),
-                           rows=rows_to_measure(batches, shape.top_k, kept))
+                           rows=rows_to_measure(batches, shape.top_k, kept), own_pids=own_pids)
 
 
 def add_bounds(rows: list[dict], model, ratios, monitor: RooflineMonitor, probes_per_batch: dict[int, tuple[int, int]],

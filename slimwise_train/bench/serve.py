@@ -185,17 +185,15 @@ def _measure_model(name, model, tokenizer, args, threads, concurrencies, ratios,
     files = _variants(name, model, tokenizer, ratios, args.outtype, root, log)
     endpoints: dict[str, _Endpoint] = {}
     rounds: dict[str, dict[int, list[dict]]] = {}
-    # expert matmuls timed at the decode steps' rows and at the prefills' (c prompts of --prompt tokens at once)
-    monitor = engine_monitor(model, ratios, sorted({*concurrencies, *(c * args.prompt for c in concurrencies)}),
-                             threads)
     probes_at: dict[int, list[int]] = {c: [] for c in concurrencies}  # the probes taken beside each level's runs
     try:
         for variant, (prefill, decode) in _variant_files(files, ratios).items():
             endpoints[variant] = _Endpoint(f"{name}_{variant}", prefill, decode, max(concurrencies), threads, root)
             rounds[variant] = {c: [] for c in concurrencies}
+        # expert matmuls timed at the decode steps' rows and at the prefills' (c prompts of --prompt tokens at once);
         # the endpoints' and their llama-servers' CPU time is this bench's own, not another job's
-        monitor.cpu.own_pids = [pid for e in endpoints.values() for pid in e.pids()]
-        monitor.cpu.start()
+        monitor = engine_monitor(model, ratios, sorted({*concurrencies, *(c * args.prompt for c in concurrencies)}),
+                                 threads, own_pids=[pid for e in endpoints.values() for pid in e.pids()])
         order = list(endpoints)
         step = 0
         for round_index in range(args.rounds):
